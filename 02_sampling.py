@@ -1,0 +1,132 @@
+"""02_sampling.py - from next-token logits to a token id, one visible step at a time.
+
+A language model does not output text. For each position it outputs one score
+(a logit) per vocabulary entry. Decoding is the small piece of code that turns
+those scores into a choice. Every decoding strategy in this book is a mix of four
+plain torch functions:
+
+    greedy            take the argmax
+    apply_temperature divide the logits: < 1 sharpens, > 1 flattens
+    top_k_filter      keep the k highest-scoring tokens
+    top_p_filter      keep the smallest set of tokens whose probability reaches p
+
+`sample_next_token` chains them in the usual order (temperature, top-k, top-p,
+then one seeded draw). Chapter 2's decode loop calls it at every step.
+
+    python 02_sampling.py --prompt "The capital of France is"
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+setup = importlib.import_module("01_setup")
+contracts = importlib.import_module("03_contracts")
+
+
+# --8<-- [start:functions]
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token id (per row, if logits is [batch, vocab])."""
+    return logits.argmax(dim=-1)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Scale logits by 1/temperature. Temperature 0 is greedy and is handled by the caller."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 here (0 means greedy), got {temperature}")
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set every logit outside the k largest to -inf. k = 0 keeps everything."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to >= p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop a token if the tokens ranked above it already reach p. The top token is
+    # therefore always kept, however peaked the distribution is.
+    drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A private random stream for one request, so its draws do not depend on anyone else's."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_next_token(logits: torch.Tensor, params, generator: torch.Generator | None = None) -> int:
+    """Pick one token id from a [vocab] logit vector according to SamplingParams."""
+    if params.is_greedy:
+        return int(greedy(logits))
+    logits = apply_temperature(logits.float(), params.temperature)
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    probs = logits.softmax(dim=-1)
+    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+# --8<-- [end:functions]
+
+
+# ---------------------------------------------------------------- the demonstration
+def next_token_logits(tokenizer, model, prompt: str) -> torch.Tensor:
+    """One forward pass over the prompt; the last position's logits predict the next token."""
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    with torch.no_grad():
+        return model(input_ids).logits[0, -1].float().cpu()
+
+
+def show(tokenizer, title: str, before: torch.Tensor, after: torch.Tensor, rows: int = 8) -> None:
+    """Print the top candidates with their probability before and after a transformation."""
+    p_before, p_after = before.softmax(-1), after.softmax(-1)
+    kept = int(torch.isfinite(after).sum())
+    print(f"\n[{title}]  ({kept} of {after.numel()} tokens keep a non-zero probability)")
+    print(f"  {'rank':>4}  {'token':<14} {'id':>6}  {'p before':>9}  {'p after':>9}")
+    for rank, token_id in enumerate(torch.topk(before, rows).indices.tolist(), start=1):
+        token = repr(tokenizer.decode([token_id]))
+        print(f"  {rank:>4}  {token:<14} {token_id:>6}  {p_before[token_id]:>9.4f}  {p_after[token_id]:>9.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Sampling made visible on the model's next-token logits.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="My favourite hobby is")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    tokenizer, model = setup.load_model(args.model, device=torch.device("cpu"))
+    logits = next_token_logits(tokenizer, model, args.prompt)
+    print(f"[Prompt]\n  {args.prompt!r}")
+
+    # --8<-- [start:demo]
+    token_id = int(greedy(logits))
+    print(f"\n[greedy]  argmax -> {tokenizer.decode([token_id])!r} (id {token_id})")
+    show(tokenizer, "temperature 0.5: sharper", logits, apply_temperature(logits, 0.5))
+    show(tokenizer, "temperature 1.5: flatter", logits, apply_temperature(logits, 1.5))
+    show(tokenizer, "top-k 3: only three survive", logits, top_k_filter(logits, 3))
+    show(tokenizer, "top-p 0.8: smallest set reaching 80%", logits, top_p_filter(logits, 0.8))
+
+    params = contracts.SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=args.seed)
+    draws = [sample_next_token(logits, params, make_generator(params.seed)) for _ in range(3)]
+    print(f"\n[seeded draw]  {params}")
+    print(f"  the same seed three times -> {[tokenizer.decode([t]) for t in draws]}")
+    generator = make_generator(params.seed)
+    ten = [tokenizer.decode([sample_next_token(logits, params, generator)]) for _ in range(10)]
+    print(f"  ten draws from one stream -> {ten}")
+    # --8<-- [end:demo]
+
+
+if __name__ == "__main__":
+    main()

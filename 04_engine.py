@@ -1,0 +1,334 @@
+"""04_engine.py - the interface every chapter keeps, and the Chapter 1 engine behind it.
+
+`BaseOfflineEngine` is the contract: a prompt in, a `GenerateResult` out, one
+request or a list. `BaselineEngine` fulfils it with HuggingFace's `model.generate`,
+which hides the whole token loop in one call; Chapter 2 opens that box.
+
+    python 04_engine.py
+    python 04_engine.py --prompt "Write a haiku about GPUs." --temperature 0.8 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+setup = importlib.import_module("01_setup")
+contracts = importlib.import_module("03_contracts")
+SamplingParams = contracts.SamplingParams
+GenerateResult = contracts.GenerateResult
+RequestMetrics = contracts.RequestMetrics
+
+
+# --8<-- [start:interface]
+class BaseOfflineEngine(ABC):
+    """Text in, GenerateResult out. Every chapter's engine is one of these."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+    ) -> GenerateResult: ...
+
+    @abstractmethod
+    def generate_batch(
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+    ) -> list[GenerateResult]: ...
+# --8<-- [end:interface]
+
+
+# --8<-- [start:stop-text]
+class IncrementalDetokenizer:
+    """Turn generated ids into text pieces as they arrive, and honour stop strings.
+
+    A piece is only released once it is final: not the first bytes of a character
+    still being spelled out, and not text that might be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""          # all text so far (cut at the stop string once one is seen)
+        self.released = 0       # how many characters of self.text were handed out
+        self.stopped = False    # a stop string was found
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text that became safe to show."""
+        self.ids.append(token_id)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+            return ""
+        hits = [self.text.find(s) for s in self.stop if s in self.text]
+        if hits:
+            self.text, self.stopped = self.text[: min(hits)], True
+            return self._release(len(self.text))
+        # Hold back a tail that could still grow into a stop string.
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        return self._release(len(self.text) - hold)
+
+    def flush(self) -> str:
+        """The request ended: release whatever was held back."""
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        piece = self.text[self.released: upto] if upto > self.released else ""
+        self.released = max(self.released, upto)
+        return piece
+# --8<-- [end:stop-text]
+
+
+class _TokenQueueStreamer(BaseStreamer):
+    """Hands each new token id from HF's generate thread to the consumer through a queue."""
+
+    def __init__(self):
+        self.tokens: queue.Queue = queue.Queue()
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first reports the prompt itself
+            self._prompt_seen = True
+            return
+        for token_id in value.reshape(-1).tolist():
+            self.tokens.put(token_id)
+
+    def end(self) -> None:
+        self.tokens.put(None)
+
+
+class _CancelCriteria(StoppingCriteria):
+    """Lets another thread stop HF's loop, e.g. when a streaming client has gone away."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool,
+                          device=input_ids.device)
+
+
+class BaselineEngine(BaseOfflineEngine):
+    """Chapter 1: HuggingFace's generate() behind our interface. A black box, but correct."""
+
+    # --8<-- [start:init]
+    def __init__(self, model_name: str | None = None, device: str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        self.model_name = model_name or setup.DEFAULT_MODEL
+        self.device = setup.pick_device(device)
+        print(f"[engine] loading {self.model_name} on {self.device} ...", flush=True)
+        self.tokenizer, self.model = setup.load_model(model_name, self.device, dtype)
+        self.context_length = int(self.model.config.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        print("[engine] ready", flush=True)
+    # --8<-- [end:init]
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        return {e for e in eos + [self.tokenizer.eos_token_id] if e is not None}
+
+    # --8<-- [start:encode]
+    def encode(self, prompt: str, max_new_tokens: int) -> torch.Tensor:
+        """Tokenize one prompt onto the device, refusing requests the model cannot serve."""
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        input_ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        n_prompt = input_ids.shape[1]
+        if n_prompt + max_new_tokens > self.context_length:
+            raise ValueError(
+                f"This model's maximum context length is {self.context_length} tokens. However, you "
+                f"requested {n_prompt + max_new_tokens} tokens ({n_prompt} in the prompt, "
+                f"{max_new_tokens} for the completion). Please shorten the prompt or max_new_tokens.")
+        return input_ids.to(self.device)
+    # --8<-- [end:encode]
+
+    def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
+        """Translate SamplingParams into HF's vocabulary, starting from a clean config."""
+        base = self.model.generation_config
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            bos_token_id=base.bos_token_id,
+            pad_token_id=base.pad_token_id if base.pad_token_id is not None else self.tokenizer.eos_token_id,
+            eos_token_id=[] if params.ignore_eos else sorted(self.eos_token_ids),  # [] = never stop on EOS
+            stop_strings=list(params.stop) or None,
+        )
+        if params.is_greedy:
+            config.do_sample = False
+        else:
+            config.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k)  # top_k=0 means off for HF too
+        return config
+
+    def finish(self, new_ids: list[int], params: SamplingParams, n_prompt: int,
+               elapsed_s: float) -> GenerateResult:
+        """Build the result shared by every engine: text cut at a stop string, honest metrics."""
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        for token_id in new_ids:
+            detok.add(token_id)
+            if detok.stopped:
+                break
+        ended_on_eos = bool(new_ids) and new_ids[-1] in self.eos_token_ids and not params.ignore_eos
+        return GenerateResult(
+            text=detok.text,
+            output_ids=list(new_ids),
+            metrics=RequestMetrics(
+                throughput=len(new_ids) / max(elapsed_s, 1e-9),
+                input_tokens=n_prompt,
+                output_tokens=len(new_ids),
+            ),
+            finish_reason="stop" if (detok.stopped or ended_on_eos) else "length",
+        )
+
+    # --8<-- [start:generate]
+    def generate(self, prompt: str, max_new_tokens: int,
+                 params: SamplingParams | None = None) -> GenerateResult:
+        params = params or SamplingParams()          # no params: greedy
+        max_new_tokens = params.token_budget(max_new_tokens)
+        input_ids = self.encode(prompt, max_new_tokens)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)           # HF samples from torch's global generator
+
+        t0 = time.perf_counter()
+        with torch.no_grad():                        # inference: no autograd graph to build
+            # Chapter 2 replaces this call with our own token-by-token loop.
+            output_ids = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=self._generation_config(params, max_new_tokens),
+                tokenizer=self.tokenizer,
+            )
+        elapsed_s = time.perf_counter() - t0
+
+        new_ids = output_ids[0, input_ids.shape[1]:].tolist()   # drop the prompt
+        return self.finish(new_ids, params, input_ids.shape[1], elapsed_s)
+
+    def generate_batch(self, prompts: list[str], max_new_tokens: int,
+                       params: SamplingParams | None = None) -> list[GenerateResult]:
+        # One after another: correct, but the hardware idles. Chapter 5 batches them.
+        return [self.generate(p, max_new_tokens, params) for p in prompts]
+    # --8<-- [end:generate]
+
+    # --8<-- [start:stream]
+    def generate_stream(self, prompt: str, max_new_tokens: int,
+                        params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
+        """Yield text pieces as HF produces them, then the final GenerateResult.
+
+        generate() runs in a worker thread and hands us tokens through a streamer.
+        Closing this iterator early (a client hung up) stops that thread too.
+        """
+        params = params or SamplingParams()
+        max_new_tokens = params.token_budget(max_new_tokens)
+        input_ids = self.encode(prompt, max_new_tokens)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        streamer, cancel = _TokenQueueStreamer(), threading.Event()
+
+        def run() -> None:
+            try:
+                with torch.no_grad():
+                    self.model.generate(
+                        input_ids, attention_mask=torch.ones_like(input_ids),
+                        generation_config=self._generation_config(params, max_new_tokens),
+                        tokenizer=self.tokenizer, streamer=streamer,
+                        stopping_criteria=StoppingCriteriaList([_CancelCriteria(cancel)]))
+            finally:
+                streamer.end()
+
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        detok, new_ids = IncrementalDetokenizer(self.tokenizer, params.stop), []
+        try:
+            while (token_id := streamer.tokens.get()) is not None:
+                new_ids.append(token_id)
+                if piece := detok.add(token_id):
+                    yield piece
+            if piece := detok.flush():
+                yield piece
+        finally:
+            cancel.set()
+            worker.join()
+        yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0)
+    # --8<-- [end:stream]
+
+
+# --8<-- [start:load-engine]
+def load_engine(spec: str = "04_engine:BaselineEngine", model: str | None = None,
+                device: str | None = None, **kwargs) -> BaseOfflineEngine:
+    """Build any chapter's engine from 'module:Class', e.g. '07_decode_loop:DecodeLoopEngine'.
+
+    This is how the server and the benchmarks stay unchanged as chapters add engines.
+    """
+    module_name, _, class_name = spec.partition(":")
+    if not class_name:
+        raise ValueError(f"engine spec must look like 'module:Class', got {spec!r}")
+    try:
+        engine_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load engine {spec!r}: {exc}") from exc
+    if not (isinstance(engine_class, type) and issubclass(engine_class, BaseOfflineEngine)):
+        raise ValueError(f"{spec!r} is not a BaseOfflineEngine subclass")
+    return engine_class(model, device=device, **kwargs)
+# --8<-- [end:load-engine]
+
+
+def reference_prompts() -> list[str]:
+    """The committed prompts on which every engine must match the baseline token for token."""
+    path = setup.REPO_ROOT / "data" / "reference_prompts.json"
+    return json.loads(path.read_text())["prompts"]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """A conversation as the model was trained to read it (its chat template)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # A base model without a template: a plain transcript is the honest fallback.
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the Chapter 1 baseline engine once.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    args = parser.parse_args()
+
+    # --8<-- [start:main]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine = BaselineEngine(args.model, device=args.device)
+    prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    result = engine.generate(prompt, args.max_new_tokens, params)
+
+    print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
+    print(f"\n[Output]\n  {result.text.strip()}")
+    print("\n[Metrics]")
+    for name, value in result.metrics.as_dict().items():
+        print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
+    print(f"  {'finish_reason':<15} {result.finish_reason}")
+    # --8<-- [end:main]
+
+
+if __name__ == "__main__":
+    main()

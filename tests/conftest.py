@@ -1,0 +1,77 @@
+"""Shared fixtures: the numbered scripts as modules, a tiny random model, the real model.
+
+Unit tests use `tiny_model_dir`: a 2-layer Llama with random weights but the real
+SmolLM2 tokenizer, so tokenization, chat templates and EOS behave as in the real
+thing while a forward pass costs microseconds. Tests marked `real_model` load the
+default model itself (provisioned offline by 01_setup.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def load_script(name: str):
+    """Import a numbered script such as '04_engine' as a module."""
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="session")
+def setup_mod():
+    return load_script("01_setup")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(setup_mod) -> Path:
+    return Path(setup_mod.resolve_model(setup_mod.DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A randomly initialised 2-layer Llama saved as an HF folder, with the real tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_mod():
+    return load_script("04_engine")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(engine_mod, tiny_model_dir):
+    return engine_mod.BaselineEngine(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def real_engine(engine_mod, default_model_dir):
+    return engine_mod.BaselineEngine(str(default_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def reference_prompts(engine_mod) -> list[str]:
+    return engine_mod.reference_prompts()
