@@ -28,26 +28,33 @@ contracts = importlib.import_module("03_contracts")
 
 
 # --8<-- [start:functions]
+# --8<-- [start:greedy]
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token id (per row, if logits is [batch, vocab])."""
     return logits.argmax(dim=-1)
+# --8<-- [end:greedy]
 
 
+# --8<-- [start:temperature]
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Scale logits by 1/temperature. Temperature 0 is greedy and is handled by the caller."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 here (0 means greedy), got {temperature}")
     return logits / temperature
+# --8<-- [end:temperature]
 
 
+# --8<-- [start:top-k]
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Set every logit outside the k largest to -inf. k = 0 keeps everything."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth_largest, float("-inf"))
+# --8<-- [end:top-k]
 
 
+# --8<-- [start:top-p]
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probabilities sum to >= p."""
     if p >= 1.0:
@@ -59,8 +66,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+# --8<-- [end:top-p]
 
 
+# --8<-- [start:sample]
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A private random stream for one request, so its draws do not depend on anyone else's."""
     if seed is None:
@@ -77,6 +86,7 @@ def sample_next_token(logits: torch.Tensor, params, generator: torch.Generator |
     logits = top_p_filter(logits, params.top_p)
     probs = logits.softmax(dim=-1)
     return int(torch.multinomial(probs, num_samples=1, generator=generator))
+# --8<-- [end:sample]
 # --8<-- [end:functions]
 
 

@@ -158,6 +158,7 @@ class BaselineEngine(BaseOfflineEngine):
         return input_ids.to(self.device)
     # --8<-- [end:encode]
 
+    # --8<-- [start:generation-config]
     def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
         """Translate SamplingParams into HF's vocabulary, starting from a clean config."""
         base = self.model.generation_config
@@ -174,7 +175,9 @@ class BaselineEngine(BaseOfflineEngine):
             config.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k)  # top_k=0 means off for HF too
         return config
+    # --8<-- [end:generation-config]
 
+    # --8<-- [start:finish]
     def finish(self, new_ids: list[int], params: SamplingParams, n_prompt: int,
                elapsed_s: float) -> GenerateResult:
         """Build the result shared by every engine: text cut at a stop string, honest metrics."""
@@ -194,6 +197,7 @@ class BaselineEngine(BaseOfflineEngine):
             ),
             finish_reason="stop" if (detok.stopped or ended_on_eos) else "length",
         )
+    # --8<-- [end:finish]
 
     # --8<-- [start:generate]
     def generate(self, prompt: str, max_new_tokens: int,
@@ -294,12 +298,14 @@ def reference_prompts() -> list[str]:
     return json.loads(path.read_text())["prompts"]
 
 
+# --8<-- [start:chat]
 def render_chat(tokenizer, messages: list[dict]) -> str:
     """A conversation as the model was trained to read it (its chat template)."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # A base model without a template: a plain transcript is the honest fallback.
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+# --8<-- [end:chat]
 
 
 def main() -> None:
