@@ -1,0 +1,212 @@
+"""capture_outputs.py - run the scripts and save what they print for the book.
+
+Every output shown in the book is included from book/outputs/<name>.txt, and every
+one of those files is written here, by running the real command. Nothing is typed
+by hand, so the book cannot drift from the code: re-run this after changing a script.
+
+    python scripts/capture_outputs.py                     # everything (make book-outputs)
+    python scripts/capture_outputs.py --only 04_engine    # one entry (repeatable)
+    python scripts/capture_outputs.py --list              # the table
+
+Only stdout is kept (loading bars and library warnings go to stderr), with colour
+codes and carriage-return redraws removed. Each file starts with the command line.
+
+To add an output: append a Capture to CAPTURES, run `--only <name>`, include it
+in a page with  --8<-- "book/outputs/<name>.txt"  and commit both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OUTPUT_DIR = REPO_ROOT / "book" / "outputs"
+
+
+@dataclass
+class Capture:
+    """One output file: the commands whose stdout it holds.
+
+    With `server`, that command is started first (with {port} filled in), the
+    commands run once `ready` (a URL) answers, and the server is stopped after.
+    """
+
+    name: str
+    commands: list[str]
+    server: str | None = None
+    ready: str = "http://127.0.0.1:{port}/health"
+    timeout_s: float = 600
+
+    @property
+    def script(self) -> str | None:
+        """The numbered script this entry runs (entries for unwritten scripts are skipped)."""
+        words = shlex.split(self.server or self.commands[0])
+        return words[1] if words[0] == "python" else None
+
+
+def _curl(path: str, body: str | None = None, stream: bool = False) -> str:
+    """A readable curl command line against the captured server."""
+    flags = "-sN" if stream else "-s"
+    if body is None:
+        return f"curl {flags} http://127.0.0.1:{{port}}{path}"
+    return f"curl {flags} http://127.0.0.1:{{port}}{path} -H 'Content-Type: application/json' -d '{body}'"
+
+
+# --8<-- [start:table]
+CAPTURES = [
+    Capture("01_setup", ["python 01_setup.py"]),
+    Capture("02_sampling", ["python 02_sampling.py"]),
+    Capture("03_contracts", ["python 03_contracts.py"]),
+    Capture("04_engine", ["python 04_engine.py"]),
+    Capture("04_engine_sampled", [
+        "python 04_engine.py --prompt 'Write a haiku about GPUs.' --temperature 0.8 --seed 1",
+    ]),
+    Capture("05_server", [
+        _curl("/v1/completions",
+              '{"model": "default", "prompt": "The capital of France is", "max_tokens": 12}'),
+        _curl("/v1/chat/completions",
+              '{"model": "default", "messages": [{"role": "user", "content": "Say hello in French."}], '
+              '"max_tokens": 16}'),
+        _curl("/v1/chat/completions",
+              '{"model": "default", "messages": [{"role": "user", "content": "Count to five."}], '
+              '"max_tokens": 12, "stream": true}', stream=True),
+        _curl("/v1/completions", '{"model": "default", "prompt": "", "max_tokens": 8}'),
+    ], server="python 05_server.py --port {port}"),
+]
+# --8<-- [end:table]
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def clean(text: str) -> str:
+    """What a reader would see on screen: no colour codes, no overwritten progress lines."""
+    lines = []
+    for line in _ANSI.sub("", text).split("\n"):
+        line = line.rstrip("\r").split("\r")[-1]   # a redrawn line shows only its last state
+        lines.append(line.rstrip())
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # `python` in a command means this interpreter (the project's venv).
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error", NO_COLOR="1", COLUMNS="100")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer {url} within {timeout_s:.0f}s")
+
+
+def _run(command: str, env: dict, timeout_s: float) -> str:
+    proc = subprocess.run(command, shell=True, cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"`{command}` exited with code {proc.returncode}\n{tail}")
+    return proc.stdout
+
+
+def capture(entry: Capture) -> str:
+    """Run one entry and return its cleaned transcript."""
+    env, server, log = _env(), None, None
+    port = _free_port() if entry.server else 0
+    try:
+        if entry.server:
+            log = tempfile.TemporaryFile()
+            server = subprocess.Popen(shlex.split(entry.server.format(port=port)), cwd=REPO_ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT)
+            _wait_ready(entry.ready.format(port=port), server, entry.timeout_s)
+        parts = []
+        for command in entry.commands:
+            command = command.format(port=port)
+            shown = command.replace(f"127.0.0.1:{port}", "127.0.0.1:8000")  # a stable port in the book
+            out = _run(command, env, entry.timeout_s).replace(f"127.0.0.1:{port}", "127.0.0.1:8000")
+            parts.append(f"$ {shown}\n{out.rstrip()}\n")
+        return clean("\n".join(parts))
+    except RuntimeError:
+        if log is not None:
+            log.seek(0)
+            print("  server log (tail):\n    " + "\n    ".join(
+                log.read().decode(errors="replace").splitlines()[-15:]), file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        if log is not None:
+            log.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Capture script outputs into book/outputs/.")
+    parser.add_argument("--only", action="append", metavar="NAME", help="capture only this entry (repeatable)")
+    parser.add_argument("--list", action="store_true", help="print the table and exit")
+    args = parser.parse_args()
+
+    names = [c.name for c in CAPTURES]
+    if args.list:
+        for c in CAPTURES:
+            print(f"{c.name:<24} {' ; '.join(c.commands)}" + (f"   [server: {c.server}]" if c.server else ""))
+        return 0
+    unknown = sorted(set(args.only or []) - set(names))
+    if unknown:
+        parser.error(f"unknown name(s) {unknown}; known: {names}")
+    todo = [c for c in CAPTURES if not args.only or c.name in args.only]
+    for c in [c for c in todo if c.script and not (REPO_ROOT / c.script).exists()]:
+        print(f"skipping {c.name}: {c.script} does not exist yet")
+        todo.remove(c)
+
+    OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for i, entry in enumerate(todo, start=1):
+        print(f"[{i}/{len(todo)}] {entry.name}: {' ; '.join(entry.commands)[:90]}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            text = capture(entry)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"  FAILED: {exc}", file=sys.stderr, flush=True)
+            failed.append(entry.name)
+            continue  # the old file, if any, stays as it was
+        path = OUTPUT_DIR / f"{entry.name}.txt"
+        path.write_text(text)
+        print(f"  {time.perf_counter() - t0:.1f}s, {text.count(chr(10))} lines -> "
+              f"{path.relative_to(REPO_ROOT)}", flush=True)
+    if failed:
+        print(f"\n{len(failed)} failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
