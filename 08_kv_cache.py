@@ -1,0 +1,229 @@
+"""08_kv_cache.py - what the KV cache buys, measured, and what it costs, computed.
+
+At every decode step the model needs the keys and values of *all* earlier tokens
+to attend over them. There are two ways to get them:
+
+    without a cache   re-run the whole sequence so far: step n costs a forward
+                      pass over n tokens, so the total grows quadratically
+    with a cache      keep each layer's keys and values from earlier steps and
+                      feed only the one new token: every step costs about the same
+
+This script decodes the same prompt both ways with greedy sampling, times every
+step, checks that both produce the same tokens, and plots latency against
+position. Then it computes the cache's size from the model's config and checks
+the formula against the bytes actually held in `past_key_values`.
+
+    python 08_kv_cache.py
+    python 08_kv_cache.py --steps 120 --plot results/kv_cache.png --json results/kv_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+setup = importlib.import_module("01_setup")
+sampling = importlib.import_module("02_sampling")
+
+DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived an"
+
+
+def cache_argument(model) -> str:
+    """The forward() keyword for the cache: transformers 5 renamed `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# --8<-- [start:steps]
+@torch.no_grad()
+def step_with_cache(model, new_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """Feed only the new token(s). Earlier keys/values come from `cache`, which grows in place."""
+    out = model(input_ids=new_ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    return out.logits[0, -1]
+
+
+@torch.no_grad()
+def step_without_cache(model, all_ids: torch.Tensor) -> torch.Tensor:
+    """Feed the whole sequence so far: every earlier key and value is computed again."""
+    # logits_to_keep=1 in both steps: we only need the last position's scores, so the
+    # difference we measure is the recomputed attention and MLPs, not the LM head.
+    out = model(input_ids=all_ids, use_cache=False, logits_to_keep=1)
+    return out.logits[0, -1]
+# --8<-- [end:steps]
+
+
+@dataclass
+class DecodeRun:
+    ids: torch.Tensor                                     # the whole sequence so far, [1, n]
+    cache: DynamicCache | None = None                     # None: the no-cache path
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)   # tokens attended over at each step
+    step_seconds: list[float] = field(default_factory=list)
+
+
+# --8<-- [start:timed-decode]
+def timed_step(model, run: DecodeRun) -> None:
+    """One greedy step, timed. With a cache, feed only what the cache has not seen yet:
+    the whole prompt at the first step (the prefill), then one token per step."""
+    start = time.perf_counter()
+    if run.cache is not None:
+        logits = step_with_cache(model, run.ids[:, run.cache.get_seq_length():], run.cache)
+    else:
+        logits = step_without_cache(model, run.ids)
+    token = int(sampling.greedy(logits))  # int() waits for the device, so the time is real
+    run.step_seconds.append(time.perf_counter() - start)
+    run.positions.append(run.ids.shape[1])
+    run.tokens.append(token)
+    run.ids = torch.cat([run.ids, torch.tensor([[token]], device=run.ids.device)], dim=1)
+
+
+def decode_both(model, prompt_ids: torch.Tensor, steps: int) -> tuple[DecodeRun, DecodeRun]:
+    """Greedy-decode `steps` tokens with and without the cache, in lockstep.
+
+    Alternating one step of each means a busy machine slows both paths alike. EOS is
+    ignored on purpose: we want the cost at every position, not a finished answer.
+    """
+    cached, uncached = DecodeRun(prompt_ids, DynamicCache()), DecodeRun(prompt_ids)
+    for _ in range(steps):
+        timed_step(model, cached)
+        timed_step(model, uncached)
+    return cached, uncached
+# --8<-- [end:timed-decode]
+
+
+# --8<-- [start:size-formula]
+def kv_bytes_per_token(config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """K and V, for every layer, for every KV head, head_dim numbers each, at dtype's width."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if kv_heads is None:
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    bytes_per_element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * bytes_per_element
+# --8<-- [end:size-formula]
+
+
+# --8<-- [start:measured]
+def measured_cache_bytes(cache: DynamicCache) -> tuple[int, int]:
+    """(bytes held in all layers' key and value tensors, tokens cached)."""
+    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return total, cache.get_seq_length()
+# --8<-- [end:measured]
+
+
+def window_median(run: DecodeRun, position: int, half: int = 2) -> float:
+    """Median step time over a few steps around `position` (one step alone is too noisy)."""
+    i = run.positions.index(position)
+    return statistics.median(run.step_seconds[max(0, i - half): i + half + 1])
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def plot(cached: DecodeRun, uncached: DecodeRun, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from itertools import accumulate
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for run, label, color in ((uncached, "without cache", "tab:red"), (cached, "with KV cache", "tab:blue")):
+        left.plot(run.positions, [s * 1e3 for s in run.step_seconds], label=label, color=color, lw=1)
+        right.plot(run.positions, list(accumulate(run.step_seconds)), label=label, color=color)
+    left.set(xlabel="position (tokens attended over)", ylabel="step latency (ms)", title="per step")
+    right.set(xlabel="position (tokens attended over)", ylabel="cumulative time (s)", title="total so far")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Decode with and without the KV cache; size the cache.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--steps", type=int, default=240, help="tokens to decode each way")
+    parser.add_argument("--plot", type=Path, default=Path("results/kv_cache.png"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the measurements here")
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+
+    device = setup.pick_device(args.device)
+    tokenizer, model = setup.load_model(args.model, device=device)
+    prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    decode_both(model, prompt_ids, 3)  # warm-up: the first calls pay one-off costs
+    cached, uncached = decode_both(model, prompt_ids, args.steps)
+    same = cached.tokens == uncached.tokens
+    print(f"[decode] prompt of {prompt_ids.shape[1]} tokens, {args.steps} greedy steps each way on {device.type}")
+    print(f"  same greedy tokens with and without the cache: {same}")
+    print(f"  text: {tokenizer.decode(cached.tokens[:24])!r} ...")
+
+    print("\n[step latency]  (median of 5 steps around each position)")
+    print(f"  {'position':>8}  {'with cache':>11}  {'without':>11}  {'ratio':>6}")
+    marks = sorted({p for p in (cached.positions[0], 32, 64, 128, 192, 256) if p in cached.positions}
+                   | {cached.positions[-1]})
+    for p in marks:
+        with_c, without = window_median(cached, p), window_median(uncached, p)
+        print(f"  {p:>8}  {with_c * 1e3:>8.1f} ms  {without * 1e3:>8.1f} ms  {without / with_c:>5.1f}x")
+    total_c, total_u = sum(cached.step_seconds), sum(uncached.step_seconds)
+    print(f"  {'total':>8}  {total_c:>9.2f} s  {total_u:>9.2f} s  {total_u / total_c:>5.1f}x")
+
+    config, dtype = model.config, next(model.parameters()).dtype
+    # --8<-- [start:check]
+    per_token = kv_bytes_per_token(config, dtype)
+    held, tokens_cached = measured_cache_bytes(cached.cache)
+    measured_per_token = held / tokens_cached / prompt_ids.shape[0]
+    # --8<-- [end:check]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    context = config.max_position_embeddings
+    full_mha = kv_bytes_per_token(config, dtype, kv_heads=config.num_attention_heads)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"\n[KV cache size]  {str(dtype).removeprefix('torch.')}")
+    print(f"  formula: 2 x {config.num_hidden_layers} layers x {kv_heads} KV heads x {head_dim} head_dim"
+          f" x {torch.empty((), dtype=dtype).element_size()} bytes = {per_token:,} bytes/token ({human(per_token)})")
+    print(f"  measured: {held:,} bytes in the cache / {tokens_cached} tokens = {measured_per_token:,.0f} bytes/token"
+          f"  -> {'matches' if measured_per_token == per_token else 'DIFFERS'}")
+    print(f"  full context ({context:,} tokens): {human(per_token * context)} per sequence"
+          f"  (model weights: {human(weights)})")
+    print(f"  with full multi-head attention ({config.num_attention_heads} KV heads instead of {kv_heads}):"
+          f" {human(full_mha)}/token, {human(full_mha * context)} at full context"
+          f" -> grouped-query attention saves {config.num_attention_heads / kv_heads:.0f}x")
+
+    plot(cached, uncached, args.plot, f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
+         f"decode with vs without the KV cache")
+    print(f"\nplot written to {args.plot}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "device": device.type, "prompt_tokens": prompt_ids.shape[1], "same_tokens": same,
+            "with_cache": {"positions": cached.positions, "step_seconds": cached.step_seconds},
+            "without_cache": {"positions": uncached.positions, "step_seconds": uncached.step_seconds},
+            "bytes_per_token_formula": per_token, "bytes_per_token_measured": measured_per_token,
+            "full_context_tokens": context, "full_context_bytes": per_token * context,
+            "full_mha_bytes_per_token": full_mha,
+        }, indent=2))
+        print(f"json written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
