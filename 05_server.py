@@ -1,0 +1,347 @@
+"""05_server.py - any engine behind an OpenAI-compatible HTTP API.
+
+The engines speak Python; the ecosystem speaks OpenAI's HTTP API (curl, the `openai`
+package, benchmark tools). `make_app(engine)` bridges the two for every chapter's
+engine, because it only uses what all of them share: `generate`, `generate_batch`,
+the tokenizer (for the chat template) and, where an engine has it, `generate_stream`.
+
+    python 05_server.py --port 8001                    # Chapter 1's BaselineEngine
+    python 05_server.py --port 8001 --engine 04_engine:BaselineEngine --model SmolLM2-135M-Instruct
+    ENGINE_CLASS=04_engine:BaselineEngine uvicorn 05_server:app --port 8001
+    curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
+
+Defaults differ from OpenAI's on purpose: `temperature` defaults to 0 (greedy, so the
+same request gives the same answer; OpenAI's default is 1) and `max_tokens` to 128,
+capped by what is left of the context window. Like vLLM we also accept `top_k` and
+`ignore_eos`. The `model` field of a request is accepted and ignored: one server, one model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+engine_lib = importlib.import_module("04_engine")
+SamplingParams = importlib.import_module("03_contracts").SamplingParams
+
+DEFAULT_ENGINE = "04_engine:BaselineEngine"
+DEFAULT_MAX_TOKENS = 128
+log = logging.getLogger("05_server")
+
+
+# --8<-- [start:request-models]
+class _Strict(BaseModel):
+    # strict: "0.7" is not a temperature and true is not a token count; unknown fields are ignored.
+    model_config = ConfigDict(strict=True)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    model: str | None = None                  # accepted for compatibility, not used
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0)   # 0 = greedy (OpenAI defaults to 1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)               # vLLM extension; 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)             # one choice per prompt: no parallel sampling here
+    ignore_eos: bool = False                  # vLLM extension, for benchmarks
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+# --8<-- [end:request-models]
+
+
+# --8<-- [start:errors]
+class APIError(Exception):
+    """An error the client should see, in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    """The engine refused the request (ValueError: e.g. prompt too long) or broke (anything else)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    log.error("engine failed", exc_info=exc)
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type_="server_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": ...}.
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        return await api_error(_, APIError(400, f"{where}: {err.get('msg', 'invalid value')}",
+                                           param=loc[0] if loc else None))
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return await api_error(_, APIError(exc.status_code, str(exc.detail)))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return await api_error(_, from_engine_error(exc))  # a JSON 500, and the server lives on
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+# --8<-- [end:errors]
+
+
+def sampling_params(req: SamplingFields) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def sse(obj: dict | str) -> str:
+    """One Server-Sent Event."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def usage(results) -> dict:
+    prompt = sum(r.metrics.input_tokens for r in results)
+    completion = sum(r.metrics.output_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# --8<-- [start:make-app]
+def make_app(engine, model_name: str | None = None) -> FastAPI:
+    """An OpenAI-compatible FastAPI app around any BaseOfflineEngine."""
+    model_name = model_name or getattr(engine, "model_name", None) or type(engine).__name__
+    context_length = getattr(engine, "context_length", None)
+    app = FastAPI(title="llm-engine-companion", version="0.1.0")
+    install_error_handlers(app)
+
+    # --8<-- [start:queue-lock]
+    # The engines of the early chapters serve one request at a time, so requests queue
+    # here: asyncio.Lock wakes its waiters in arrival order (FIFO), and each one holds it
+    # for its whole generation, streams included. The blocking engine call runs in a
+    # worker thread, so the event loop keeps accepting connections while it waits.
+    # Chapter 5's continuous batching replaces this queue with a scheduler.
+    lock = asyncio.Lock()
+
+    async def call_engine(fn: Callable, *args):
+        async with lock:
+            try:
+                return await run_in_threadpool(fn, *args)
+            except Exception as exc:
+                raise from_engine_error(exc) from exc
+    # --8<-- [end:queue-lock]
+
+    def token_budget(prompt: str, requested: int | None) -> int:
+        if requested is not None:
+            if context_length and requested > context_length:
+                raise APIError(400, f"max_tokens is {requested}, but this model's maximum context "
+                                    f"length is {context_length} tokens.", param="max_tokens")
+            return requested
+        if not context_length:
+            return DEFAULT_MAX_TOKENS
+        n_prompt = len(engine.tokenizer(prompt).input_ids)  # default: what is left, at most 128
+        return max(1, min(DEFAULT_MAX_TOKENS, context_length - n_prompt))
+
+    def pieces(prompt: str, max_tokens: int, params: SamplingParams) -> Iterator:
+        """Text pieces then the GenerateResult, from generate_stream or, lacking it, generate."""
+        if hasattr(engine, "generate_stream"):
+            yield from engine.generate_stream(prompt, max_tokens, params)
+            return
+        result = engine.generate(prompt, max_tokens, params)
+        if result.text:
+            yield result.text
+        yield result
+
+    # --8<-- [start:stream]
+    async def event_stream(items: Iterator, chunk: Callable[..., dict], chat: bool,
+                           include_usage: bool) -> AsyncIterator[str]:
+        """SSE events: text as the engine produces it, under the lock for the whole stream."""
+        await lock.acquire()
+        try:
+            try:  # before the first event an error can still be a proper 4xx response
+                item = await run_in_threadpool(next, items, None)
+            except Exception as exc:
+                raise from_engine_error(exc) from exc
+            if chat:
+                yield sse(chunk({"role": "assistant", "content": ""}))
+            try:
+                while isinstance(item, str):
+                    yield sse(chunk({"content": item} if chat else item))
+                    item = await run_in_threadpool(next, items, None)
+            except Exception as exc:  # too late for a status code: report it in the stream
+                yield sse(from_engine_error(exc).body())
+                yield sse("[DONE]")
+                return
+            if item is None:
+                raise RuntimeError("the engine's stream ended without a GenerateResult")
+            final = chunk({} if chat else "", item.finish_reason)
+            final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply
+            yield sse(final)
+            if include_usage:
+                yield sse({**chunk({}), "choices": [], "usage": usage([item])})
+            yield sse("[DONE]")
+        finally:
+            # Closing the iterator on a disconnect (a cancellation lands here) stops the
+            # engine's worker; shielded, so the cancellation cannot skip it.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(items.close)
+            lock.release()
+
+    async def streaming_response(items: Iterator, chunk: Callable, chat: bool,
+                                 req: SamplingFields) -> StreamingResponse:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = event_stream(items, chunk, chat, include_usage)
+        first = await events.__anext__()   # waits for the lock and the first token; 4xx if refused
+
+        async def body() -> AsyncIterator[str]:
+            yield first
+            async for event in events:
+                yield event
+
+        # aclose() runs the cleanup above even if the client left before the body was read.
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 background=BackgroundTask(events.aclose))
+    # --8<-- [end:stream]
+
+    def chunk_maker(kind: str, rid: str, created: int, chat: bool) -> Callable[..., dict]:
+        def chunk(delta, finish_reason=None) -> dict:
+            choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
+            choice.update(logprobs=None, finish_reason=finish_reason)
+            return {"id": rid, "object": kind, "created": created, "model": model_name,
+                    "choices": [choice]}
+        return chunk
+
+    # --8<-- [start:chat-endpoint]
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        prompt = engine_lib.render_chat(engine.tokenizer, [m.model_dump() for m in req.messages])
+        max_tokens = token_budget(prompt, req.max_tokens or req.max_completion_tokens)
+        params = sampling_params(req)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            chunk = chunk_maker("chat.completion.chunk", rid, created, chat=True)
+            return await streaming_response(pieces(prompt, max_tokens, params), chunk, True, req)
+        result = await call_engine(engine.generate, prompt, max_tokens, params)
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "logprobs": None, "finish_reason": result.finish_reason}],
+            "usage": usage([result]),
+            "metrics": result.metrics.as_dict(),
+        }
+    # --8<-- [end:chat-endpoint]
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        """A raw prompt, no chat template. A list of prompts goes to generate_batch."""
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts or not all(prompts):
+            raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
+        max_tokens = min(token_budget(p, req.max_tokens) for p in prompts)
+        params = sampling_params(req)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            if len(prompts) > 1:
+                raise APIError(400, "streaming takes a single prompt", param="prompt")
+            chunk = chunk_maker("text_completion", rid, created, chat=False)
+            return await streaming_response(pieces(prompts[0], max_tokens, params), chunk, False, req)
+        results = await call_engine(engine.generate_batch, prompts, max_tokens, params)
+        metrics = [r.metrics.as_dict() for r in results]
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": model_name,
+            "choices": [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+                        for i, r in enumerate(results)],
+            "usage": usage(results),
+            "metrics": metrics[0] if isinstance(req.prompt, str) else metrics,
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "llm-engine-companion"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+# --8<-- [end:make-app]
+
+
+def __getattr__(name: str):
+    """`uvicorn 05_server:app` builds the default engine on first use, not at import (PEP 562)."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    engine = engine_lib.load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
+                                    os.environ.get("ENGINE_MODEL"))
+    globals()["app"] = app = make_app(engine)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve an engine over OpenAI's HTTP API.")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes it to the network")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--model", default=os.environ.get("ENGINE_MODEL"),
+                        help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
+                        help="the engine class as module:Class")
+    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    args = parser.parse_args()
+
+    import uvicorn  # only the command line needs it
+
+    engine = engine_lib.load_engine(args.engine, args.model, device=args.device)
+    print(f"[server] {args.engine} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(make_app(engine), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

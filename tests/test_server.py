@@ -1,0 +1,266 @@
+"""05_server.py through FastAPI's TestClient: OpenAI's shapes, streaming, and every bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import load_script
+
+server = load_script("05_server")
+contracts = load_script("03_contracts")
+
+HELLO = [{"role": "user", "content": "Hello! Who are you?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine):
+    with TestClient(server.make_app(tiny_engine, model_name="tiny")) as c:
+        yield c
+
+
+def chat_prompt(engine, messages):
+    return load_script("04_engine").render_chat(engine.tokenizer, messages)
+
+
+def sse_events(text: str) -> list:
+    """The data of each event; '[DONE]' stays a string."""
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+class RecordingEngine:
+    """Another 'engine' with no generate_stream: records the prompts it is given."""
+
+    def __init__(self, inner):
+        self.inner, self.tokenizer, self.prompts = inner, inner.tokenizer, []
+
+    def generate(self, prompt, max_new_tokens, params=None):
+        self.prompts.append(prompt)
+        return self.inner.generate(prompt, max_new_tokens, params)
+
+    def generate_batch(self, prompts, max_new_tokens, params=None):
+        return [self.generate(p, max_new_tokens, params) for p in prompts]
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+
+
+def test_chat_shape_matches_the_engine(client, tiny_engine):
+    body = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 12}).json()
+    direct = tiny_engine.generate(chat_prompt(tiny_engine, HELLO), 12)
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert isinstance(body["created"], int) and body["model"] == "tiny"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": direct.text}
+    assert choice["finish_reason"] == direct.finish_reason
+    assert body["usage"] == {"prompt_tokens": direct.metrics.input_tokens,
+                             "completion_tokens": len(direct.output_ids),
+                             "total_tokens": direct.metrics.input_tokens + len(direct.output_ids)}
+    assert body["metrics"]["output_tokens"] == len(direct.output_ids) and "throughput" in body["metrics"]
+
+
+def test_finish_reason_length_and_stop(client, tiny_engine):
+    long = client.post("/v1/chat/completions",
+                       json={"messages": HELLO, "max_tokens": 20, "ignore_eos": True}).json()
+    assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 20
+    text = long["choices"][0]["message"]["content"]
+    stop = text[6:9]
+    cut = client.post("/v1/chat/completions",
+                      json={"messages": HELLO, "max_tokens": 20, "ignore_eos": True, "stop": [stop]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == text[: text.find(stop)]
+
+
+def test_whole_conversation_goes_through_the_chat_template(tiny_engine):
+    spy = RecordingEngine(tiny_engine)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Capital of Peru?"}]
+    with TestClient(server.make_app(spy)) as c:
+        assert c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3}).status_code == 200
+    assert spy.prompts == [chat_prompt(tiny_engine, messages)]
+    assert "You are terse." in spy.prompts[0] and "Hello." in spy.prompts[0]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    req = {"messages": HELLO, "max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": 3}
+    first, again = (client.post("/v1/chat/completions", json=req).json() for _ in range(2))
+    assert first["choices"][0]["message"] == again["choices"][0]["message"]
+
+
+def test_chat_stream_equals_the_plain_answer(client):
+    req = {"messages": HELLO, "max_tokens": 16}
+    plain = client.post("/v1/chat/completions", json=req).json()
+    resp = client.post("/v1/chat/completions",
+                       json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    final, usage_chunk = chunks[-2], chunks[-1]
+    assert final["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == plain["usage"]
+
+
+def test_completions_single_list_and_stream(client, tiny_engine):
+    body = client.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 8}).json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == tiny_engine.generate("The sky is", 8).text
+    batch = client.post("/v1/completions", json={"prompt": ["The sky is", "Once upon"], "max_tokens": 8}).json()
+    assert [c["text"] for c in batch["choices"]] == [tiny_engine.generate(p, 8).text
+                                                      for p in ("The sky is", "Once upon")]
+    assert [c["index"] for c in batch["choices"]] == [0, 1] and len(batch["metrics"]) == 2
+    events = sse_events(client.post("/v1/completions",
+                                    json={"prompt": "The sky is", "max_tokens": 8, "stream": True}).text)
+    assert events[-1] == "[DONE]" and all(e["object"] == "text_completion" for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == body["choices"][0]["text"]
+
+
+def test_engine_without_generate_stream_streams_one_chunk(tiny_engine):
+    with TestClient(server.make_app(RecordingEngine(tiny_engine))) as c:
+        plain = c.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8}).json()
+        events = sse_events(c.post("/v1/chat/completions",
+                                   json={"messages": HELLO, "max_tokens": 8, "stream": True}).text)
+    contents = [e["choices"][0]["delta"]["content"] for e in events[:-1] if e["choices"][0]["delta"].get("content")]
+    assert contents == [plain["choices"][0]["message"]["content"]] and events[-1] == "[DONE]"
+
+
+# --8<-- [start:bad-inputs]
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', None),
+    ("messages missing", "/v1/chat/completions", {"max_tokens": 5}, "messages"),
+    ("messages empty", "/v1/chat/completions", {"messages": []}, "messages"),
+    ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("content not a string", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("max_tokens 0", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens a string", "/v1/chat/completions", {"messages": HELLO, "max_tokens": "5"}, "max_tokens"),
+    ("max_tokens above context", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 100_000}, "max_tokens"),
+    ("temperature < 0", "/v1/chat/completions", {"messages": HELLO, "temperature": -0.5}, "temperature"),
+    ("top_p 0", "/v1/chat/completions", {"messages": HELLO, "top_p": 0}, "top_p"),
+    ("top_p > 1", "/v1/chat/completions", {"messages": HELLO, "top_p": 1.5}, "top_p"),
+    ("n > 1", "/v1/chat/completions", {"messages": HELLO, "n": 2}, "n"),
+    ("empty stop string", "/v1/chat/completions", {"messages": HELLO, "stop": ""}, None),
+    ("stream not a bool", "/v1/chat/completions", {"messages": HELLO, "stream": "yes"}, "stream"),
+    ("body not an object", "/v1/chat/completions", [1, 2], None),
+    ("prompt missing", "/v1/completions", {"max_tokens": 5}, "prompt"),
+    ("prompt empty", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("prompt list empty", "/v1/completions", {"prompt": []}, "prompt"),
+    ("stream of a list", "/v1/completions", {"prompt": ["a", "b"], "stream": True}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_is_a_400_in_openai_shape(client, name, path, body, param):
+    resp = (client.post(path, content=body, headers={"Content-Type": "application/json"})
+            if isinstance(body, bytes) else client.post(path, json=body))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    if param:
+        assert error["param"] == param
+# --8<-- [end:bad-inputs]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_context_is_a_400_naming_both_lengths(client, tiny_engine, stream):
+    long = "hello " * 600   # the tiny model's window is 512 tokens
+    resp = client.post("/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": long}], "max_tokens": 4, "stream": stream})
+    assert resp.status_code == 400
+    message = resp.json()["error"]["message"]
+    assert str(tiny_engine.context_length) in message and "in the prompt" in message
+    assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(client):
+    assert client.get("/v1/nothing").json()["error"]["code"] == 404
+    assert client.get("/v1/chat/completions").status_code == 405
+
+
+class BrokenEngine(RecordingEngine):
+    def generate(self, prompt, max_new_tokens, params=None):
+        raise RuntimeError("CUDA caught fire")
+
+
+def test_an_engine_crash_is_a_json_500_and_the_server_lives_on(tiny_engine):
+    with TestClient(server.make_app(BrokenEngine(tiny_engine)), raise_server_exceptions=False) as c:
+        for _ in range(2):
+            resp = c.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 3})
+            assert resp.status_code == 500 and "CUDA caught fire" in resp.json()["error"]["message"]
+        assert c.get("/health").status_code == 200
+
+
+class EndlessEngine(RecordingEngine):
+    """Streams forever until its iterator is closed, like a long generation."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.closed = threading.Event()
+
+    def generate_stream(self, prompt, max_new_tokens, params=None):
+        try:
+            while True:
+                time.sleep(0.005)
+                yield "la "
+        finally:
+            self.closed.set()
+
+
+def test_a_disconnected_stream_closes_the_engine_iterator_and_frees_the_queue(tiny_engine):
+    engine = EndlessEngine(tiny_engine)
+    app = server.make_app(engine)
+
+    async def request(body: dict, hang_up_after: int | None) -> list:
+        sent, got_body = [], asyncio.Event()
+        raw = json.dumps(body).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
+
+        async def receive():
+            if (msg := next(messages, None)) is not None:
+                return msg
+            if hang_up_after is None:
+                await asyncio.Event().wait()   # never hangs up
+            await got_body.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if hang_up_after is not None and message["type"] == "http.response.body" and len(sent) > hang_up_after:
+                got_body.set()
+
+        await asyncio.wait_for(app(scope, receive, send), timeout=30)
+        return sent
+
+    async def scenario():
+        sent = await request({"prompt": "x", "max_tokens": 10, "stream": True}, hang_up_after=3)
+        assert sent[0]["status"] == 200
+        # The lock was released: a plain request now gets through instead of queueing forever.
+        sent = await request({"prompt": "Hi", "max_tokens": 2}, hang_up_after=None)
+        assert sent[0]["status"] == 200
+
+    asyncio.run(scenario())
+    assert engine.closed.is_set()
+
+
+def test_importing_does_not_load_a_model():
+    assert "app" not in vars(server)   # built lazily by the module's __getattr__
+    with pytest.raises(AttributeError):
+        server.not_a_thing
