@@ -1,0 +1,235 @@
+"""07_decode_loop.py - Chapter 2: open the black box and write the token loop ourselves.
+
+Chapter 1's engine called `model.generate` and got tokens back. Inside that call is
+a loop with two phases, and this script writes it out:
+
+    prefill      run the whole prompt through the model once, keeping every layer's
+                 keys and values in a KV cache; the last position's logits give token 1
+    decode step  feed only the newest token; it attends to the cached keys/values
+                 and appends its own, and its logits give the next token
+
+Each step's logits go through Chapter 2's `sample_next_token`; the loop stops on EOS,
+on a stop string or at the token budget. Because we own the loop we can finally
+time it: TTFT (time to first token: mostly prefill) and TPOT (time per output token
+after that: the decode pace).
+
+    python 07_decode_loop.py
+    python 07_decode_loop.py --stream --prompt "Write a haiku about caches."
+    python 07_decode_loop.py --temperature 0.8 --top-p 0.9 --seed 1
+    python 07_decode_loop.py --compare 3     # tokens/s against HF generate, same model
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+sampling = importlib.import_module("02_sampling")
+contracts = importlib.import_module("03_contracts")
+engine04 = importlib.import_module("04_engine")
+SamplingParams, GenerateResult = contracts.SamplingParams, contracts.GenerateResult
+
+
+@dataclass
+class Sequence:
+    """One request inside the loop: its budget, its own random stream, what it produced."""
+
+    params: SamplingParams
+    budget: int                                   # new tokens it may produce
+    n_prompt: int
+    detok: engine04.IncrementalDetokenizer        # text so far, and whether a stop string appeared
+    generator: torch.Generator | None             # private seeded stream (None: torch's global one)
+    new_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None              # None while still running
+    t_first: float = 0.0                          # perf_counter() when its first token was ready
+    t_last: float = 0.0                           # ... and its last one
+
+
+class DecodeLoopEngine(engine04.BaselineEngine):
+    """Chapter 2: the same interface and results as BaselineEngine, with our own loop inside."""
+
+    def __init__(self, model_name: str | None = None, device: str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(model_name, device, dtype)
+        # transformers 5 renamed forward(past_key_values=...) to forward(cache=...); accept both.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    # --8<-- [start:prefill]
+    @torch.inference_mode()  # no autograd bookkeeping at all, a little cheaper than no_grad
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor) -> tuple[torch.Tensor, DynamicCache]:
+        """All prompt tokens in one forward pass; returns the last position's logits and the KV cache."""
+        cache = DynamicCache(config=self.model.config)   # filled in place, layer by layer
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{self._cache_kw: cache},
+                         **self._keep_last)                 # only the last position predicts: skip the rest
+        return out.logits[:, -1, :], cache
+    # --8<-- [end:prefill]
+
+    # --8<-- [start:decode-step]
+    @torch.inference_mode()
+    def decode_step(self, token_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """One new token per row ([batch, 1]); it attends to the cache and appends its own K/V."""
+        out = self.model(input_ids=token_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{self._cache_kw: cache})
+        return out.logits[:, -1, :]
+    # --8<-- [end:decode-step]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token id per row: Chapter 2's sampling, each row with its own generator."""
+        if all(s.params.is_greedy for s in seqs):
+            return sampling.greedy(logits).tolist()   # one argmax and one device sync for the batch
+        return [sampling.sample_next_token(row, s.params, s.generator) for row, s in zip(logits, seqs)]
+
+    def new_sequence(self, params: SamplingParams, budget: int, n_prompt: int) -> Sequence:
+        return Sequence(params, budget, n_prompt, engine04.IncrementalDetokenizer(self.tokenizer, params.stop),
+                        sampling.make_generator(params.seed, self.device))
+
+    # --8<-- [start:accept]
+    def accept(self, seq: Sequence, token_id: int, now: float) -> str:
+        """Record one new token for one row; decide whether that row is done; return its new text."""
+        seq.new_ids.append(token_id)
+        seq.t_first, seq.t_last = seq.t_first or now, now
+        piece = seq.detok.add(token_id)
+        if seq.detok.stopped or (token_id in self.eos_token_ids and not seq.params.ignore_eos):
+            seq.finish_reason = "stop"      # the EOS / stop-completing token stays in new_ids
+        elif len(seq.new_ids) >= seq.budget:
+            seq.finish_reason = "length"
+        return piece + seq.detok.flush() if seq.finish_reason else piece
+    # --8<-- [end:accept]
+
+    # --8<-- [start:loop]
+    def decode_loop(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor, seqs: list[Sequence]) -> Iterator[list[str]]:
+        """Prefill, then one decode step per token until every row is done.
+
+        Works on [batch, seq] tensors: row i of input_ids belongs to seqs[i]. attention_mask
+        is None when no row is padded. Yields, after every step, each row's new text piece
+        ("" for a row that is already finished: it rides along until the batch is done).
+        """
+        logits, cache = self.prefill(input_ids, attention_mask, position_ids)
+        next_position = position_ids[:, -1:] + 1
+        while True:
+            tokens = self.sample(logits, seqs)
+            now = time.perf_counter()         # the token is ready: sample() synchronised the device
+            yield [self.accept(s, t, now) if s.finish_reason is None else "" for s, t in zip(seqs, tokens)]
+            if all(s.finish_reason for s in seqs):
+                return
+            if attention_mask is not None:    # the new column is real for every row
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(seqs), 1)], dim=1)
+            step_ids = torch.tensor(tokens, device=input_ids.device).unsqueeze(1)
+            logits = self.decode_step(step_ids, attention_mask, next_position, cache)
+            next_position = next_position + 1
+    # --8<-- [end:loop]
+
+    # --8<-- [start:metrics]
+    def result(self, seq: Sequence, t0: float) -> GenerateResult:
+        """BaselineEngine's result (same text, ids, finish_reason) plus the loop's own timings."""
+        res = self.finish(seq.new_ids, seq.params, seq.n_prompt, seq.t_last - t0)
+        res.metrics.ttft_ms = (seq.t_first - t0) * 1e3            # call start -> first token ready
+        if len(seq.new_ids) > 1:                                  # mean gap between later tokens
+            res.metrics.tpot_ms = (seq.t_last - seq.t_first) / (len(seq.new_ids) - 1) * 1e3
+        return res
+    # --8<-- [end:metrics]
+
+    # --8<-- [start:stream]
+    def generate_stream(self, prompt: str, max_new_tokens: int,
+                        params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
+        """Yield text pieces as tokens are produced, then the GenerateResult.
+
+        No thread needed: the loop is a generator, so it only runs while someone reads,
+        and closing this iterator early stops the work at the next token.
+        """
+        t0 = time.perf_counter()
+        params = params or SamplingParams()
+        budget = params.token_budget(max_new_tokens)
+        input_ids = self.encode(prompt, budget)
+        seq = self.new_sequence(params, budget, input_ids.shape[1])
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        with contextlib.closing(self.decode_loop(input_ids, None, positions, [seq])) as loop:
+            for (piece,) in loop:
+                if piece:
+                    yield piece
+        yield self.result(seq, t0)
+
+    def generate(self, prompt: str, max_new_tokens: int,
+                 params: SamplingParams | None = None) -> GenerateResult:
+        *_, result = self.generate_stream(prompt, max_new_tokens, params)   # the same loop, drained
+        return result
+    # --8<-- [end:stream]
+
+
+def compare_with_generate(engine: DecodeLoopEngine, prompts: list[str], new_tokens: int,
+                          reps: int) -> tuple[float, float]:
+    """Tokens/s of HF generate and of our loop on the same model object, alternating repetitions."""
+    params = SamplingParams(ignore_eos=True)
+    timings = {"generate": 0.0, "loop": 0.0}
+    hf_generate = engine04.BaselineEngine.generate   # Chapter 1's method, called on this very model
+    for _ in range(reps):
+        for prompt in prompts:
+            for name, fn in (("generate", hf_generate), ("loop", DecodeLoopEngine.generate)):
+                t = time.perf_counter()
+                fn(engine, prompt, new_tokens, params)
+                timings[name] += time.perf_counter() - t
+    total = reps * len(prompts) * new_tokens
+    return total / timings["generate"], total / timings["loop"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 2: our own prefill + decode loop.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stream", action="store_true", help="then stream the answer token by token")
+    parser.add_argument("--compare", type=int, default=0, metavar="REPS",
+                        help="time HF generate vs this loop (64 tokens, ignore_eos, REPS rounds)")
+    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    args = parser.parse_args()
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine = DecodeLoopEngine(args.model, device=args.device)
+    prompt = args.prompt if args.raw else engine04.render_chat(
+        engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    result = engine.generate(prompt, args.max_new_tokens, params)
+
+    print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
+    print(f"\n[Output]\n  {result.text.strip()}")
+    print("\n[Metrics]")
+    for name, value in result.metrics.as_dict().items():
+        print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
+    print(f"  {'finish_reason':<15} {result.finish_reason}")
+
+    if args.stream:
+        # --8<-- [start:stream-demo]
+        print("\n[Streaming]\n  ", end="", flush=True)
+        for item in engine.generate_stream(prompt, args.max_new_tokens, params):
+            if isinstance(item, str):
+                print(item, end="", flush=True)   # each piece as soon as its token exists
+        print(f"\n  ({item.metrics.output_tokens} tokens, TTFT {item.metrics.ttft_ms:.0f} ms)")
+        # --8<-- [end:stream-demo]
+
+    if args.compare:
+        prompts = engine04.reference_prompts()[:4]
+        hf, ours = compare_with_generate(engine, prompts, 64, args.compare)
+        print(f"\n[Speed, batch 1, 64 new tokens, {len(prompts)} prompts x {args.compare} rounds, alternating]")
+        print(f"  HF generate  {hf:6.1f} tokens/s\n  our loop     {ours:6.1f} tokens/s\n  ratio        {ours / hf:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
