@@ -1,0 +1,286 @@
+"""06_benchmark_offline.py - measure an engine in-process: the numbers every later chapter must beat.
+
+A benchmark is a fixed workload, a fixed way of measuring it, and distributions
+rather than single averages. The workload is the committed prompt set in
+`data/benchmark_prompts.json` (16 prompts, 5 to ~400 tokens, plain text and chat).
+We warm up first (the first calls pay for lazy initialisation), then time every
+request, and summarise latency as mean and p50/p90/p99: the slow tail is what users remember.
+
+    python 06_benchmark_offline.py                          # the baseline, ~1-2 min on a laptop CPU
+    python 06_benchmark_offline.py --ignore-eos --max-new-tokens 64
+    python 06_benchmark_offline.py --batch --batch-size 8   # time generate_batch instead
+    python 06_benchmark_offline.py --engine 04_engine:BaselineEngine \\
+        --engine 07_decode_loop:DecodeLoopEngine --json results/offline.json --plot results/offline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+setup = importlib.import_module("01_setup")
+engine_mod = importlib.import_module("04_engine")
+SamplingParams = importlib.import_module("03_contracts").SamplingParams
+PROMPTS_PATH = setup.REPO_ROOT / "data" / "benchmark_prompts.json"
+
+
+# --8<-- [start:bench-stats]
+@dataclass
+class RequestRecord:
+    """What one request cost, as measured (latency) or as the engine reported (tokens, TTFT, TPOT)."""
+
+    latency_ms: float
+    input_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)  # gaps between streamed tokens (online only)
+    error: str | None = None                             # a failed request counts, but not in latencies
+
+
+@dataclass
+class BenchStats:
+    """One engine on one workload. Distributions are dicts: mean, p50, p90, p99 (milliseconds)."""
+
+    name: str
+    requests: int            # completed requests
+    failed: int
+    duration_s: float        # wall time of the measured runs
+    input_tokens: int
+    output_tokens: int       # counted by the engine, not assumed from max_new_tokens
+    requests_per_s: float
+    output_tokens_per_s: float
+    latency_ms: dict | None  # wall time per request
+    ttft_ms: dict | None = None   # only when the engine (or the client) measured it
+    tpot_ms: dict | None = None
+    itl_ms: dict | None = None
+# --8<-- [end:bench-stats]
+
+
+# --8<-- [start:summarize]
+def percentile(values, q: float) -> float:
+    """The q-th percentile, interpolating between the two nearest ranks (numpy's default)."""
+    xs = np.sort(np.asarray(values, dtype=float))
+    if xs.size == 0:
+        raise ValueError("percentile of no values")
+    rank = (xs.size - 1) * q / 100
+    lo = int(np.floor(rank))
+    hi = min(lo + 1, xs.size - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (rank - lo))
+
+
+def summarize(values) -> dict | None:
+    """Mean and tail of a distribution; None when nothing was measured (the line is then omitted)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"mean": float(np.mean(values)), **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
+
+
+def bench_stats(name: str, records: list[RequestRecord], duration_s: float) -> BenchStats:
+    """Add up the records of one measured run lasting duration_s seconds."""
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    ok = [r for r in records if r.error is None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return BenchStats(
+        name=name, requests=len(ok), failed=len(records) - len(ok), duration_s=duration_s,
+        input_tokens=sum(r.input_tokens for r in ok), output_tokens=out_tokens,
+        requests_per_s=len(ok) / duration_s, output_tokens_per_s=out_tokens / duration_s,
+        latency_ms=summarize(r.latency_ms for r in ok),
+        ttft_ms=summarize(r.ttft_ms for r in ok), tpot_ms=summarize(r.tpot_ms for r in ok),
+        itl_ms=summarize(gap for r in ok for gap in r.itl_ms))
+# --8<-- [end:summarize]
+
+
+def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
+    """The benchmark workload: dicts with either 'text' (sent as is) or 'messages' (a chat)."""
+    prompts = json.loads(Path(path or PROMPTS_PATH).read_text())["prompts"]
+    if any(("text" in p) == ("messages" in p) for p in prompts):
+        raise ValueError("each benchmark prompt needs exactly one of 'text' or 'messages'")
+    return prompts[:limit] if limit else prompts
+
+
+def prompt_text(engine, prompt: dict) -> str:
+    """What the engine sees: chats go through the model's own chat template."""
+    return prompt["text"] if "text" in prompt else engine_mod.render_chat(engine.tokenizer, prompt["messages"])
+
+
+def record_of(result, latency_s: float) -> RequestRecord:
+    m = result.metrics
+    return RequestRecord(latency_s * 1000, m.input_tokens, m.output_tokens, m.ttft_ms, m.tpot_ms)
+
+
+# --8<-- [start:measured-loop]
+def run_sequential(engine, texts: list[str], max_new_tokens: int, params, bar) -> tuple[list, float]:
+    """One request at a time, as a single user would send them. Returns records and total seconds."""
+    records, total_s = [], 0.0
+    for text in texts:
+        t0 = time.perf_counter()
+        result = engine.generate(text, max_new_tokens, params)
+        elapsed = time.perf_counter() - t0
+        records.append(record_of(result, elapsed))
+        total_s += elapsed
+        bar.update(1)
+    return records, total_s
+
+
+def run_batched(engine, texts: list[str], max_new_tokens: int, params, bar,
+                batch_size: int | None) -> tuple[list, float]:
+    """generate_batch over chunks; every request in a chunk finishes when the chunk does."""
+    records, total_s, size = [], 0.0, batch_size or len(texts)
+    for i in range(0, len(texts), size):
+        chunk = texts[i: i + size]
+        t0 = time.perf_counter()
+        results = engine.generate_batch(chunk, max_new_tokens, params)
+        elapsed = time.perf_counter() - t0
+        records += [record_of(r, elapsed) for r in results]
+        total_s += elapsed
+        bar.update(len(chunk))
+    return records, total_s
+# --8<-- [end:measured-loop]
+
+
+def engine_labels(specs: list[str]) -> list[str]:
+    """Short column names ('BaselineEngine'); a repeated engine becomes 'BaselineEngine#2'."""
+    labels, seen = [], {}
+    for spec in specs:
+        base = spec.rpartition(":")[2] or spec
+        seen[base] = seen.get(base, 0) + 1
+        labels.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return labels
+
+
+def stat_rows(stats: BenchStats) -> dict[str, float | int | None]:
+    """The table's lines for one engine, in the book's order; None where nothing was measured."""
+    rows = {"requests": stats.requests, "failed": stats.failed, "input_tokens": stats.input_tokens,
+            "output_tokens": stats.output_tokens, "duration_s": stats.duration_s,
+            "requests/s": stats.requests_per_s, "output_tokens/s": stats.output_tokens_per_s}
+    for name in ("latency_ms", "ttft_ms", "tpot_ms", "itl_ms"):
+        for key in ("mean", "p50", "p90", "p99"):
+            rows[f"{name} {key}"] = (getattr(stats, name) or {}).get(key)
+    return rows
+
+
+def print_table(title: str, all_stats: list[BenchStats]) -> None:
+    """Aligned 'name  value' lines; with several engines, side by side with the ratio to the first."""
+    print(f"\n[{title}]")
+    columns = [stat_rows(s) for s in all_stats]
+    if len(all_stats) > 1:
+        print(f"  {'':<18} " + "".join(f"{s.name:<22}" for s in all_stats).rstrip())
+    for name in columns[0]:
+        if all(col[name] is None for col in columns):
+            continue  # e.g. TTFT for an engine that cannot see its own loop
+        cells = []
+        for col in columns:
+            value, first = col[name], columns[0][name]
+            cell = "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+            if col is not columns[0] and value is not None and first and name not in ("requests", "failed"):
+                cell += f" ({value / first:.2f}x)"
+            cells.append(f"{cell:<22}")
+        print(f"  {name:<18} " + "".join(cells).rstrip())
+
+
+def plot_results(path: str | Path, all_stats: list[BenchStats], latencies: list[list[float]], title: str) -> None:
+    """Latency distribution per engine (box plot) next to output throughput (bars)."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed: write a file
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lat, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = [s.name for s in all_stats]
+    ax_lat.boxplot(latencies, whis=(1, 99), showmeans=True)
+    ax_lat.set_xticks(range(1, len(names) + 1), names, rotation=10)
+    ax_lat.set(title="Latency per request (whiskers p1-p99)", ylabel="ms")
+    bars = ax_tps.bar(names, [s.output_tokens_per_s for s in all_stats], color="tab:orange")
+    ax_tps.bar_label(bars, fmt="%.1f")
+    ax_tps.set(title="Output throughput", ylabel="tokens/s")
+    ax_tps.tick_params(axis="x", rotation=10)
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(path: str | Path, config: dict, all_stats: list[BenchStats], all_records: list[list]) -> None:
+    results = [{"stats": asdict(s), "requests": [asdict(r) for r in recs]} for s, recs in zip(all_stats, all_records)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"config": config, "results": results}, indent=2))
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both benchmarks share, so the two are run the same way."""
+    parser.add_argument("--engine", action="append", help="module:Class; repeat it to compare engines "
+                        "(default: 04_engine:BaselineEngine)")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="benchmark prompt file")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens (equal work)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests run first and discarded")
+    parser.add_argument("--json", default=None, help="write the full results here")
+    parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput here")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="Offline benchmark: time engine.generate in-process.")
+    common_args(parser)
+    parser.add_argument("--runs", type=int, default=2, help="measured passes over the prompt set")
+    parser.add_argument("--batch", action="store_true", help="time generate_batch instead of generate")
+    parser.add_argument("--batch-size", type=int, default=None, help="with --batch: chunks of this size")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.runs < 1 or args.warmup < 0 or (args.batch_size or 1) < 1:
+        parser.error("--max-new-tokens, --runs and --batch-size must be >= 1, --warmup >= 0")
+
+    specs = args.engine or ["04_engine:BaselineEngine"]
+    params = SamplingParams(ignore_eos=args.ignore_eos)   # greedy: every engine does the same work
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    engines = [engine_mod.load_engine(spec, args.model, args.device) for spec in specs]  # each loaded once
+    texts = [[prompt_text(e, p) for p in prompts] for e in engines]
+    for engine, engine_texts in zip(engines, texts):
+        warm = (engine_texts * args.warmup)[: args.warmup]
+        if warm:
+            (engine.generate_batch(warm, args.max_new_tokens, params) if args.batch
+             else [engine.generate(t, args.max_new_tokens, params) for t in warm])
+
+    records, seconds = [[] for _ in engines], [0.0 for _ in engines]
+    with tqdm(total=args.runs * len(engines) * len(prompts), desc="requests", file=sys.stderr,
+              disable=None) as bar:
+        for _ in range(args.runs):
+            # Alternate engines within each repetition so machine noise hits all of them alike.
+            for i, engine in enumerate(engines):
+                if args.batch:
+                    recs, secs = run_batched(engine, texts[i], args.max_new_tokens, params, bar, args.batch_size)
+                else:
+                    recs, secs = run_sequential(engine, texts[i], args.max_new_tokens, params, bar)
+                records[i] += recs
+                seconds[i] += secs
+
+    all_stats = [bench_stats(label, recs, secs) for label, recs, secs in zip(engine_labels(specs), records, seconds)]
+    mode = f"batch of {args.batch_size or len(prompts)}" if args.batch else "sequential"
+    title = (f"Offline benchmark: {len(prompts)} prompts x {args.runs} runs, {mode}, "
+             f"max_new_tokens={args.max_new_tokens}{', ignore_eos' if args.ignore_eos else ''}")
+    print_table(title, all_stats)
+    config = {**vars(args), "engine": specs, "mode": mode, "model": engines[0].model_name,
+              "device": str(engines[0].device)}
+    if args.json:
+        write_json(args.json, config, all_stats, records)
+        print(f"\n[saved] {args.json}")
+    if args.plot:
+        plot_results(args.plot, all_stats, [[r.latency_ms for r in recs] for recs in records], title)
+        print(f"[saved] {args.plot}")
+    return {"config": config, "stats": all_stats, "records": records}
+
+
+if __name__ == "__main__":
+    main()
