@@ -55,13 +55,8 @@ class Capture:
         return words[1] if words[0] == "python" else None
 
 
-def _curl(path: str, body: str | None = None, stream: bool = False) -> str:
-    """A readable curl command line against the captured server."""
-    flags = "-sN" if stream else "-s"
-    if body is None:
-        return f"curl {flags} http://127.0.0.1:{{port}}{path}"
-    return f"curl {flags} http://127.0.0.1:{{port}}{path} -H 'Content-Type: application/json' -d '{body}'"
-
+URL = "http://127.0.0.1:{port}"    # shown as port 8000 in the book
+JSON = "-H 'Content-Type: application/json'"
 
 # --8<-- [start:table]
 CAPTURES = [
@@ -73,16 +68,22 @@ CAPTURES = [
         "python 04_engine.py --prompt 'Write a haiku about GPUs.' --temperature 0.8 --seed 1",
     ]),
     Capture("05_server", [
-        _curl("/v1/completions",
-              '{"model": "default", "prompt": "The capital of France is", "max_tokens": 12}'),
-        _curl("/v1/chat/completions",
-              '{"model": "default", "messages": [{"role": "user", "content": "Say hello in French."}], '
-              '"max_tokens": 16}'),
-        _curl("/v1/chat/completions",
-              '{"model": "default", "messages": [{"role": "user", "content": "Count to five."}], '
-              '"max_tokens": 12, "stream": true}', stream=True),
-        _curl("/v1/completions", '{"model": "default", "prompt": "", "max_tokens": 8}'),
+        f"curl -s {URL}/v1/completions {JSON} "
+        """-d '{"prompt": "The capital of France is", "max_tokens": 12}' | python -m json.tool""",
+        f"curl -s {URL}/v1/chat/completions {JSON} "
+        """-d '{"messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 16}'"""
+        " | python -m json.tool",
+        f"curl -sN {URL}/v1/chat/completions {JSON} "
+        """-d '{"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 6, "stream": true}'""",
+        f"curl -s -w '\\n(HTTP %{{http_code}})\\n' {URL}/v1/chat/completions {JSON} "
+        """-d '{"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}'""",
     ], server="python 05_server.py --port {port}"),
+    Capture("06_benchmark_offline", [
+        "python 06_benchmark_offline.py --num-prompts 8 --runs 1 --max-new-tokens 16",
+    ]),
+    Capture("06_benchmark_online", [
+        "python 06_benchmark_online.py --num-prompts 8 --max-new-tokens 16 --concurrency 2",
+    ]),
 ]
 # --8<-- [end:table]
 
@@ -142,12 +143,12 @@ def capture(entry: Capture) -> str:
     try:
         if entry.server:
             log = tempfile.TemporaryFile()
-            server = subprocess.Popen(shlex.split(entry.server.format(port=port)), cwd=REPO_ROOT, env=env,
+            server = subprocess.Popen(shlex.split(entry.server.replace("{port}", str(port))), cwd=REPO_ROOT, env=env,
                                       stdout=log, stderr=subprocess.STDOUT)
-            _wait_ready(entry.ready.format(port=port), server, entry.timeout_s)
+            _wait_ready(entry.ready.replace("{port}", str(port)), server, entry.timeout_s)
         parts = []
         for command in entry.commands:
-            command = command.format(port=port)
+            command = command.replace("{port}", str(port))
             shown = command.replace(f"127.0.0.1:{port}", "127.0.0.1:8000")  # a stable port in the book
             out = _run(command, env, entry.timeout_s).replace(f"127.0.0.1:{port}", "127.0.0.1:8000")
             parts.append(f"$ {shown}\n{out.rstrip()}\n")

@@ -1,0 +1,76 @@
+"""The book in book/ builds strictly, and every listing in it comes from a real section of a script.
+
+The strict build already fails on a missing page, a broken link, or a snippet
+file or section that does not exist. The other tests say *which* page and marker
+are wrong, and check what the build cannot: every numbered script is in the book.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BOOK = REPO_ROOT / "book"
+
+# --8<-- "file"  or  --8<-- "file:section"  (pymdownx.snippets, one include per line)
+SNIPPET = re.compile(r'^\s*--8<--\s+"(?P<file>[^":]+)(?::(?P<section>[^"]+))?"\s*$', re.MULTILINE)
+
+
+def includes() -> list[tuple[Path, str, str | None]]:
+    """(page, included file, section or None) for every snippet line of every page."""
+    found = []
+    for page in sorted(BOOK.rglob("*.md")):
+        for m in SNIPPET.finditer(page.read_text()):
+            found.append((page, m.group("file"), m.group("section")))
+    return found
+
+
+def test_pages_include_snippets():
+    # Guards the parser below: if this finds nothing, the other checks would pass vacuously.
+    sections = [inc for inc in includes() if inc[2]]
+    assert len(sections) >= 20, sections
+
+
+def test_every_included_section_exists():
+    problems = []
+    for page, file, section in includes():
+        path = REPO_ROOT / file
+        where = f"{page.relative_to(REPO_ROOT)}: {file}" + (f":{section}" if section else "")
+        if not path.is_file():
+            problems.append(f"{where}: no such file")
+            continue
+        if section:
+            text = path.read_text()
+            for kind in ("start", "end"):
+                if not re.search(rf"--8<--\s*\[{kind}:{re.escape(section)}\]", text):
+                    problems.append(f"{where}: no [{kind}:{section}] marker")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_numbered_script_is_in_the_book():
+    scripts = sorted(p.name for p in REPO_ROOT.glob("[0-9][0-9]_*.py"))
+    assert scripts, "no numbered scripts found"
+    included = {Path(file).name for _, file, section in includes() if section}
+    missing = [s for s in scripts if s not in included]
+    assert not missing, f"scripts no page includes a section of: {missing}"
+
+
+def test_snippet_parser_reads_both_forms():
+    text = '```python\n--8<-- "04_engine.py:interface"\n```\n```text\n--8<-- "book/outputs/04_engine.txt"\n```\n'
+    assert [(m["file"], m["section"]) for m in SNIPPET.finditer(text)] == [
+        ("04_engine.py", "interface"), ("book/outputs/04_engine.txt", None)]
+
+
+def test_mkdocs_build_strict(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "site" / "chapter1" / "04-engine.html").exists()
