@@ -182,28 +182,37 @@ def print_table(title: str, all_stats: list[BenchStats]) -> None:
         cells = []
         for col in columns:
             value, first = col[name], columns[0][name]
-            cell = "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+            cell = "-" if value is None else f"{value:.2f}" if isinstance(value, float) and abs(value) < 10 \
+                else f"{value:.1f}" if isinstance(value, float) else str(value)
             if col is not columns[0] and value is not None and first and name not in ("requests", "failed"):
                 cell += f" ({value / first:.2f}x)"
             cells.append(f"{cell:<22}")
         print(f"  {name:<18} " + "".join(cells).rstrip())
+    if len(all_stats) > 1:
+        print(f"  (Nx) = ratio to {all_stats[0].name}: above 1 is better for /s lines, below 1 for *_ms lines")
 
 
-def plot_results(path: str | Path, all_stats: list[BenchStats], latencies: list[list[float]], title: str) -> None:
-    """Latency distribution per engine (box plot) next to output throughput (bars)."""
+def plot_results(path: str | Path, all_stats: list[BenchStats], all_records: list[list], title: str) -> None:
+    """Per-request latency (and TTFT, where measured) as box plots per engine, next to throughput."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed: write a file
     import matplotlib.pyplot as plt
 
-    fig, (ax_lat, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
     names = [s.name for s in all_stats]
-    ax_lat.boxplot(latencies, whis=(1, 99), showmeans=True)
-    ax_lat.set_xticks(range(1, len(names) + 1), names, rotation=10)
-    ax_lat.set(title="Latency per request (whiskers p1-p99)", ylabel="ms")
-    bars = ax_tps.bar(names, [s.output_tokens_per_s for s in all_stats], color="tab:orange")
-    ax_tps.bar_label(bars, fmt="%.1f")
-    ax_tps.set(title="Output throughput", ylabel="tokens/s")
-    ax_tps.tick_params(axis="x", rotation=10)
+    panels = [("Latency per request", "latency_ms")]
+    if any(s.ttft_ms for s in all_stats):
+        panels.append(("Time to first token", "ttft_ms"))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5.5 * (len(panels) + 1), 4.2))
+    for ax, (label, key) in zip(axes, panels):
+        data = [[getattr(r, key) for r in recs if r.error is None and getattr(r, key) is not None] or [np.nan]
+                for recs in all_records]
+        ax.boxplot(data, whis=(1, 99), showmeans=True)
+        ax.set_xticks(range(1, len(names) + 1), names, rotation=10)
+        ax.set(title=f"{label} (whiskers p1-p99)", ylabel="ms")
+    bars = axes[-1].bar(names, [s.output_tokens_per_s for s in all_stats], color="tab:orange")
+    axes[-1].bar_label(bars, fmt="%.1f")
+    axes[-1].set(title="Output throughput", ylabel="tokens/s")
+    axes[-1].tick_params(axis="x", rotation=10)
     fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(args.json, config, all_stats, records)
         print(f"\n[saved] {args.json}")
     if args.plot:
-        plot_results(args.plot, all_stats, [[r.latency_ms for r in recs] for recs in records], title)
+        plot_results(args.plot, all_stats, records, title)
         print(f"[saved] {args.plot}")
     return {"config": config, "stats": all_stats, "records": records}
 

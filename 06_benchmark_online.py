@@ -1,0 +1,246 @@
+"""06_benchmark_online.py - measure an engine the way its users meet it: over HTTP, streaming.
+
+The offline benchmark times `engine.generate` in-process. Users instead send HTTP
+requests, often several at once, and watch tokens stream in. This script starts
+`05_server.py` on a free loopback port, waits for `/health`, and sends the same
+prompt set as the offline benchmark (text prompts to `/v1/completions`, chats to
+`/v1/chat/completions`). From the client side it times every streamed token:
+time to first token (TTFT), the gaps between tokens (ITL), and the whole request.
+
+    python 06_benchmark_online.py                         # sequential, one request at a time
+    python 06_benchmark_online.py --concurrency 4         # four clients in parallel
+    python 06_benchmark_online.py --request-rate 0.5      # Poisson arrivals, 0.5 requests/s on average
+    python 06_benchmark_online.py --url http://127.0.0.1:8000   # any running OpenAI-compatible server, e.g. vLLM
+
+Load patterns: with neither flag, requests go one after another. `--concurrency C`
+keeps at most C in flight. `--request-rate R` releases them at random, seeded
+times (a Poisson process, R per second on average), like independent users would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+offline = importlib.import_module("06_benchmark_offline")  # one definition of the statistics
+setup = offline.setup
+RequestRecord = offline.RequestRecord
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched_server(spec: str, model: str | None, device: str | None, timeout_s: float) -> Iterator[str]:
+    """Run 05_server.py with this engine until the block ends, however it ends (Ctrl-C included)."""
+    port = free_port()
+    cmd = [sys.executable, str(setup.REPO_ROOT / "05_server.py"), "--host", "127.0.0.1", "--port", str(port),
+           "--model", model or setup.DEFAULT_MODEL, "--engine", spec] + (["--device", device] if device else [])
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=setup.REPO_ROOT)
+        try:
+            print(f"[server] starting {spec} on {url} ...", flush=True)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = "".join(log.readlines()[-15:])
+                    raise RuntimeError(f"server for {spec} did not come up (exit code {proc.returncode}):\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.25)
+            print("[server] ready", flush=True)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def request_for(prompt: dict, model_id: str, max_tokens: int, ignore_eos: bool, stream: bool) -> tuple[str, dict]:
+    """The endpoint and JSON body for one benchmark prompt: chats to chat, text to completions."""
+    body = {"model": model_id, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}   # exact token counts in a final chunk
+    if ignore_eos:
+        body["ignore_eos"] = True                           # vLLM's extension; 05_server has it too
+    if "messages" in prompt:
+        return "/v1/chat/completions", {**body, "messages": prompt["messages"]}
+    return "/v1/completions", {**body, "prompt": prompt["text"]}
+
+
+# --8<-- [start:client-timing]
+async def send(client: httpx.AsyncClient, path: str, body: dict) -> RequestRecord:
+    """One request, timed from the client: TTFT, the gap before every later token, the total."""
+    t0 = time.perf_counter()
+    stamps, usage = [], None   # arrival time of each text chunk; the server's token counts
+    try:
+        if body["stream"]:
+            async with client.stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue                  # blank separators between events
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:          # a failure after the 200 arrives in the stream
+                        raise ValueError(event["error"].get("message", event["error"]))
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or []:
+                        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                            stamps.append(time.perf_counter())
+        else:
+            resp = await client.post(path, json=body)
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            usage = resp.json().get("usage")
+    except (httpx.HTTPError, ValueError) as exc:   # JSONDecodeError is a ValueError
+        return RequestRecord((time.perf_counter() - t0) * 1000, error=f"{type(exc).__name__}: {exc}")
+    latency_ms = (time.perf_counter() - t0) * 1000
+    # Without usage, count chunks: one chunk is about one token for 05_server.
+    output_tokens = usage["completion_tokens"] if usage else len(stamps)
+    ttft_ms = (stamps[0] - t0) * 1000 if stamps else None
+    return RequestRecord(
+        latency_ms, input_tokens=(usage or {}).get("prompt_tokens", 0), output_tokens=output_tokens,
+        ttft_ms=ttft_ms,
+        tpot_ms=(latency_ms - ttft_ms) / (output_tokens - 1) if ttft_ms is not None and output_tokens > 1 else None,
+        itl_ms=[(b - a) * 1000 for a, b in zip(stamps, stamps[1:])])
+# --8<-- [end:client-timing]
+
+
+# --8<-- [start:poisson]
+def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """When each request is sent, in seconds from the start.
+
+    Independent users make a Poisson process: the gaps between arrivals are exponential
+    with mean 1/rate. Seeded, so every engine faces the very same schedule. No rate: all at once.
+    """
+    if rate is None:
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return [0.0] + np.cumsum(gaps[:-1]).tolist()   # the first request goes at once
+# --8<-- [end:poisson]
+
+
+async def run_load(client, jobs: list[tuple[str, dict]], concurrency: int | None, arrivals: list[float],
+                   bar) -> tuple[list, float]:
+    """Send every job at its arrival time, at most `concurrency` in flight. Returns records, seconds."""
+    limit = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
+    start = time.perf_counter()
+
+    async def one(at: float, job) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with limit:  # a request waiting here has not been sent yet: its clock has not started
+            record = await send(client, *job)
+        bar.update(1)
+        return record
+
+    records = await asyncio.gather(*(one(at, job) for at, job in zip(arrivals, jobs)))
+    return list(records), time.perf_counter() - start
+
+
+async def measure(url: str, args, prompts: list[dict], bar) -> tuple[list, float]:
+    """Warm up, then run the measured load against one server."""
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        try:  # vLLM checks the model name; ours ignores it
+            model_id = (await client.get("/v1/models")).json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            model_id = args.model or setup.DEFAULT_MODEL
+        jobs = [request_for(p, model_id, args.max_new_tokens, args.ignore_eos, not args.no_stream)
+                for p in prompts] * args.runs
+        for job in (jobs * args.warmup)[: args.warmup]:
+            await send(client, *job)
+        concurrency = args.concurrency or (None if args.request_rate else 1)
+        return await run_load(client, jobs, concurrency, arrival_times(len(jobs), args.request_rate, args.seed), bar)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="Online benchmark: an OpenAI-compatible server over HTTP.")
+    offline.common_args(parser)
+    parser.add_argument("--url", action="append", help="measure this running server instead of launching "
+                        "05_server.py (repeat it to compare servers)")
+    parser.add_argument("--runs", type=int, default=1, help="passes over the prompt set")
+    parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival schedule")
+    parser.add_argument("--no-stream", action="store_true", help="plain JSON replies (no TTFT/ITL then)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it fails")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    parser.add_argument("--device", default=None, help="passed on to 05_server.py")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.runs < 1 or args.warmup < 0 or (args.concurrency or 1) < 1:
+        parser.error("--max-new-tokens, --runs and --concurrency must be >= 1, --warmup >= 0")
+    if args.request_rate is not None and args.request_rate <= 0:
+        parser.error("--request-rate must be > 0")
+    if args.url and args.engine:
+        parser.error("give --url (servers already running) or --engine (servers to launch), not both")
+
+    specs = args.engine or ["04_engine:BaselineEngine"]
+    targets = args.url or specs
+    labels = args.url or offline.engine_labels(specs)
+    prompts = offline.load_prompts(args.prompts, args.num_prompts)
+    all_stats, all_records = [], []
+    with tqdm(total=len(targets) * len(prompts) * args.runs, desc="requests", file=sys.stderr,
+              disable=None) as bar:
+        try:
+            for label, target in zip(labels, targets):   # one server at a time on the machine
+                with (contextlib.nullcontext(target) if args.url else
+                      launched_server(target, args.model, args.device, args.startup_timeout)) as url:
+                    records, seconds = asyncio.run(measure(url, args, prompts, bar))
+                all_records.append(records)
+                all_stats.append(offline.bench_stats(label, records, seconds))
+        except KeyboardInterrupt:
+            print("\n[interrupted] the server was stopped", file=sys.stderr)
+            raise
+
+    mode = ("sequential" if not (args.concurrency or args.request_rate) else
+            ", ".join(filter(None, [args.concurrency and f"concurrency {args.concurrency}",
+                                    args.request_rate and f"Poisson {args.request_rate:g} req/s"])))
+    title = (f"Online benchmark: {len(prompts)} prompts x {args.runs} runs, {mode}, "
+             f"{'plain' if args.no_stream else 'streamed'}, max_tokens={args.max_new_tokens}"
+             f"{', ignore_eos' if args.ignore_eos else ''}")
+    offline.print_table(title, all_stats)
+    for stats in all_stats:
+        if stats.failed:
+            first_error = next(r.error for r in all_records[all_stats.index(stats)] if r.error)
+            print(f"  [{stats.name}] {stats.failed} failed, e.g. {first_error}")
+    config = {**vars(args), "engine": None if args.url else specs, "targets": targets, "mode": mode}
+    if args.json:
+        offline.write_json(args.json, config, all_stats, all_records)
+        print(f"\n[saved] {args.json}")
+    if args.plot:
+        offline.plot_results(args.plot, all_stats, all_records, title)
+        print(f"[saved] {args.plot}")
+    return {"config": config, "stats": all_stats, "records": all_records}
+
+
+if __name__ == "__main__":
+    main()
