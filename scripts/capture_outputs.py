@@ -84,6 +84,12 @@ CAPTURES = [
     Capture("06_benchmark_online", [
         "python 06_benchmark_online.py --num-prompts 8 --max-new-tokens 16 --concurrency 2",
     ]),
+    Capture("07_decode_loop", ["python 07_decode_loop.py --stream"]),
+    Capture("07_vs_baseline", [
+        "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 07_decode_loop:DecodeLoopEngine"
+        " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos",
+    ]),
+    Capture("08_kv_cache", ["python 08_kv_cache.py --plot book/assets/ch2-kv-cache.png"]),
 ]
 # --8<-- [end:table]
 
