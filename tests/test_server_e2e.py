@@ -1,0 +1,153 @@
+"""05_server.py as a real process: uvicorn on a loopback port, driven by the `openai` package and httpx."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import REPO_ROOT, load_script
+
+openai = pytest.importorskip("openai")
+render_chat = load_script("04_engine").render_chat
+
+PROMPTS = ["Tell me about the sea.", "What is 2+2?", "Name a colour.", "Write a haiku.",
+           "Who wrote Hamlet?", "Explain gravity.", "Say hello in French.", "List three fruits."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model: str, tmp_path, startup_timeout: float = 180.0, threads: int | None = None):
+    """Start `python 05_server.py` on a free port, wait for /health, always stop it."""
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "05_server.py", "--host", "127.0.0.1", "--port", str(port),
+             "--model", model, "--device", "cpu"],
+            cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+            env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {startup_timeout}s:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_dir, tmp_path_factory):
+    # One thread: a tiny model gains nothing from more, and the test process needs a core too.
+    with running_server(str(tiny_model_dir), tmp_path_factory.mktemp("server"), threads=1) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+def ask(base_url: str, prompt: str, **extra) -> str:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, **extra}
+    resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def test_openai_client_chat_gives_the_engines_answer(client, tiny_engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    reply = client.chat.completions.create(model="any", messages=messages, max_tokens=16)
+    expected = tiny_engine.generate(render_chat(tiny_engine.tokenizer, messages), 16)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == len(expected.output_ids)
+
+
+def test_openai_client_stream_equals_the_plain_answer(client):
+    kwargs = {"model": "any", "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 20}
+    plain = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
+
+
+def test_openai_client_completions_plain_and_streamed(client, tiny_engine):
+    plain = client.completions.create(model="any", prompt="The weather today", max_tokens=12)
+    assert plain.choices[0].text == tiny_engine.generate("The weather today", 12).text
+    streamed = client.completions.create(model="any", prompt="The weather today", max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+    assert [m.id for m in client.models.list().data] == [str(tiny_engine.model_name)]
+
+
+def test_errors_over_http_and_the_server_survives(base_url, client):
+    bad = httpx.post(f"{base_url}/v1/chat/completions", content=b"{not json",
+                     headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model="any", max_tokens=8,
+                                       messages=[{"role": "user", "content": "word " * 700}])
+    assert ask(base_url, "Still there?", max_tokens=2) is not None
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.95}], ids=["greedy", "seeded"])
+def test_simultaneous_requests_get_their_solo_answers(base_url, sampling):
+    extras = [{**sampling, "seed": i} if sampling else {} for i in range(len(PROMPTS))]
+    alone = [ask(base_url, p, **e) for p, e in zip(PROMPTS, extras)]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda pe: ask(base_url, pe[0], **pe[1]), zip(PROMPTS, extras)))
+    assert together == alone
+
+
+def test_a_client_hanging_up_mid_stream_frees_the_server(base_url):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as resp:
+        events = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+            if len(events) == 3:
+                break   # leaving the block closes the connection mid-generation
+    assert all(e["object"] == "text_completion" for e in events)
+    assert ask(base_url, "Are you free?", max_tokens=2) is not None
+
+
+@pytest.mark.real_model
+def test_readme_curl_request_against_smollm2(default_model_dir, tmp_path):
+    with running_server(str(default_model_dir), tmp_path) as base:
+        # The README's: curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json'
+        #   -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
+        resp = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+    assert resp.status_code == 200
+    body = resp.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] <= 32 and body["choices"][0]["finish_reason"] in ("stop", "length")
