@@ -21,6 +21,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -80,10 +81,10 @@ CAPTURES = [
     ], server="python 05_server.py --port {port}"),
     Capture("06_benchmark_offline", [
         "python 06_benchmark_offline.py --num-prompts 8 --runs 1 --max-new-tokens 16",
-    ]),
+    ], timeout_s=1800),
     Capture("06_benchmark_online", [
         "python 06_benchmark_online.py --num-prompts 8 --max-new-tokens 16 --concurrency 2",
-    ]),
+    ], timeout_s=1800),
     Capture("07_decode_loop", ["python 07_decode_loop.py --stream"]),
     Capture("07_vs_baseline", [
         "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 07_decode_loop:DecodeLoopEngine"
@@ -134,12 +135,19 @@ def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
 
 
 def _run(command: str, env: dict, timeout_s: float) -> str:
-    proc = subprocess.run(command, shell=True, cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    # Its own process group, so a timeout stops the whole pipeline, not only the shell.
+    proc = subprocess.Popen(command, shell=True, cwd=REPO_ROOT, env=env, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"`{command}` took longer than {timeout_s:.0f}s") from None
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        tail = "\n".join(stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"`{command}` exited with code {proc.returncode}\n{tail}")
-    return proc.stdout
+    return stdout
 
 
 def capture(entry: Capture) -> str:
@@ -202,7 +210,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             text = capture(entry)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        except RuntimeError as exc:
             print(f"  FAILED: {exc}", file=sys.stderr, flush=True)
             failed.append(entry.name)
             continue  # the old file, if any, stays as it was
