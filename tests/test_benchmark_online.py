@@ -1,0 +1,156 @@
+"""06_benchmark_online.py: the request shapes, SSE timing, the load patterns, and one real run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import load_script
+
+online = load_script("06_benchmark_online")
+
+
+def sse_body(events: list) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def run_send(handler, path="/v1/completions", body=None):
+    body = body or {"stream": True, "prompt": "hi", "max_tokens": 3}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            return await online.send(client, path, body)
+    return asyncio.run(go())
+
+
+def test_requests_go_to_the_endpoint_of_their_kind():
+    path, body = online.request_for({"text": "The sky is"}, "m", 16, ignore_eos=True, stream=True)
+    assert path == "/v1/completions" and body["prompt"] == "The sky is"
+    assert body["max_tokens"] == 16 and body["temperature"] == 0.0 and body["ignore_eos"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["model"] == "m"
+    chat = [{"role": "user", "content": "Hi"}]
+    path, body = online.request_for({"messages": chat}, "m", 16, ignore_eos=False, stream=False)
+    assert path == "/v1/chat/completions" and body["messages"] == chat
+    assert "ignore_eos" not in body and "stream_options" not in body and body["stream"] is False
+
+
+def test_streamed_chunks_give_ttft_gaps_and_usage_counts():
+    chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},   # no text: not a token
+              {"choices": [{"delta": {"content": "Hel"}}]}, {"choices": [{"delta": {"content": "lo"}}]},
+              {"choices": [{"delta": {"content": "!"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}}, "[DONE]"]
+    record = run_send(lambda request: httpx.Response(200, content=sse_body(chunks)), "/v1/chat/completions")
+    assert record.error is None and (record.input_tokens, record.output_tokens) == (9, 3)
+    assert len(record.itl_ms) == 2 and record.ttft_ms is not None and record.ttft_ms <= record.latency_ms
+    assert record.tpot_ms == pytest.approx((record.latency_ms - record.ttft_ms) / 2)
+
+
+def test_without_usage_the_chunks_are_counted():
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "c", "d")] + ["[DONE]"]
+    record = run_send(lambda request: httpx.Response(200, content=sse_body(chunks)))
+    assert record.error is None and record.output_tokens == 4 and len(record.itl_ms) == 3
+
+
+@pytest.mark.parametrize("handler, expected", [
+    (lambda r: httpx.Response(400, json={"error": {"message": "prompt too long"}}), "HTTP 400"),
+    (lambda r: httpx.Response(200, content=sse_body([{"choices": [{"text": "a"}]},
+                                                     {"error": {"message": "engine crashed"}}, "[DONE]"])),
+     "engine crashed"),
+    (lambda r: httpx.Response(200, content=b"data: {not json\n\n"), "JSONDecodeError"),
+])
+def test_failures_become_records_not_crashes(handler, expected):
+    record = run_send(handler)
+    assert record.error is not None and expected in record.error and record.output_tokens == 0
+
+
+def test_unreachable_server_is_a_failed_request():
+    def refuse(request):
+        raise httpx.ConnectError("connection refused", request=request)
+    assert "ConnectError" in run_send(refuse).error
+
+
+def test_plain_replies_use_usage():
+    reply = {"choices": [{"text": "abc"}], "usage": {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}}
+    record = run_send(lambda r: httpx.Response(200, json=reply), body={"stream": False, "prompt": "x"})
+    assert (record.output_tokens, record.ttft_ms, record.itl_ms) == (5, None, [])
+
+
+def test_poisson_schedule_is_seeded_and_has_the_requested_rate():
+    times = online.arrival_times(20_000, rate=4.0, seed=1)
+    assert times[0] == 0.0 and np.all(np.diff(times) >= 0)
+    assert times == online.arrival_times(20_000, rate=4.0, seed=1)          # same seed, same users
+    assert times != online.arrival_times(20_000, rate=4.0, seed=2)
+    assert np.mean(np.diff(times)) == pytest.approx(0.25, rel=0.03)          # mean gap 1/rate
+    assert np.std(np.diff(times)) == pytest.approx(0.25, rel=0.03)           # exponential: std == mean
+    assert online.arrival_times(3, rate=None) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        online.arrival_times(3, rate=0.0)
+
+
+class NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("concurrency, expected_peak", [(1, 1), (3, 3), (None, 8)])
+def test_concurrency_caps_requests_in_flight(concurrency, expected_peak):
+    in_flight, peak = 0, 0
+
+    async def handler(request):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return httpx.Response(200, content=sse_body([{"choices": [{"text": "a"}]}, "[DONE]"]))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            jobs = [("/v1/completions", {"stream": True, "prompt": "x"})] * 8
+            return await online.run_load(client, jobs, concurrency, [0.0] * 8, NoBar())
+
+    records, seconds = asyncio.run(go())
+    assert len(records) == 8 and all(r.error is None for r in records) and seconds > 0
+    assert peak == expected_peak
+
+
+def test_url_and_engine_are_exclusive():
+    with pytest.raises(SystemExit):
+        online.main(["--url", "http://127.0.0.1:1", "--engine", "04_engine:BaselineEngine"])
+
+
+def test_a_server_that_cannot_start_is_reported():
+    with pytest.raises(RuntimeError, match="did not come up"):
+        with online.launched_server("no_such_module:Engine", None, "cpu", timeout_s=120):
+            pass
+
+
+def test_real_run_against_the_server(tiny_model_dir, tmp_path, monkeypatch):
+    urls = []
+    real_launch = online.launched_server
+
+    @contextlib.contextmanager
+    def spy(*args, **kwargs):
+        with real_launch(*args, **kwargs) as url:
+            urls.append(url)
+            yield url
+    monkeypatch.setattr(online, "launched_server", spy)
+
+    out, png = tmp_path / "online.json", tmp_path / "online.png"
+    online.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "3", "--max-new-tokens", "4",
+                 "--warmup", "1", "--ignore-eos", "--concurrency", "2", "--json", str(out), "--plot", str(png)])
+    (entry,) = json.loads(out.read_text())["results"]
+    stats = entry["stats"]
+    assert stats["requests"] == 3 and stats["failed"] == 0
+    assert stats["output_tokens"] == 12                       # counted by the server, 4 each
+    assert [r["input_tokens"] > 0 for r in entry["requests"]] == [True] * 3
+    assert 0 < stats["ttft_ms"]["p50"] <= stats["latency_ms"]["p50"]
+    assert stats["itl_ms"] is not None and stats["tpot_ms"] is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with pytest.raises(httpx.ConnectError):                   # the server was stopped afterwards
+        httpx.get(f"{urls[0]}/health", timeout=5)
