@@ -59,7 +59,6 @@ class Capture:
 URL = "http://127.0.0.1:{port}"    # shown as port 8000 in the book
 JSON = "-H 'Content-Type: application/json'"
 
-# --8<-- [start:table]
 CAPTURES = [
     Capture("01_setup", ["python 01_setup.py"]),
     Capture("02_sampling", ["python 02_sampling.py"]),
@@ -92,7 +91,6 @@ CAPTURES = [
     ]),
     Capture("08_kv_cache", ["python 08_kv_cache.py --plot book/assets/ch2-kv-cache.png"]),
 ]
-# --8<-- [end:table]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
