@@ -74,7 +74,7 @@ CAPTURES = [
         """-d '{"messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 16}'"""
         " | python -m json.tool",
         f"curl -sN {URL}/v1/chat/completions {JSON} "
-        """-d '{"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 6, "stream": true}'""",
+        """-d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "stream": true}'""",
         f"curl -s -w '\\n(HTTP %{{http_code}})\\n' {URL}/v1/chat/completions {JSON} "
         """-d '{"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}'""",
     ], server="python 05_server.py --port {port}"),
