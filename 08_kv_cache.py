@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--steps", type=int, default=240, help="tokens to decode each way")
+    parser.add_argument("--steps", type=int, default=128, help="tokens to decode each way")
     parser.add_argument("--plot", type=Path, default=Path("results/kv_cache.png"))
     parser.add_argument("--json", type=Path, default=None, help="also write the measurements here")
     args = parser.parse_args()
