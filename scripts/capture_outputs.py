@@ -88,8 +88,11 @@ CAPTURES = [
     Capture("07_vs_baseline", [
         "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 07_decode_loop:DecodeLoopEngine"
         " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos",
-    ]),
-    Capture("08_kv_cache", ["python 08_kv_cache.py --plot book/assets/ch2-kv-cache.png"]),
+    ], timeout_s=1800),
+    Capture("08_kv_cache", ["python 08_kv_cache.py --plot book/assets/ch2-kv-cache.png"], timeout_s=1800),
+    Capture("09_static_batching", [
+        "python 09_static_batching.py --sizes 1 2 4 8 16 --max-new-tokens 16 --plot book/assets/ch5-static-batching.png",
+    ], timeout_s=1800),
 ]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
