@@ -200,9 +200,10 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown name(s) {unknown}; known: {names}")
     todo = [c for c in CAPTURES if not args.only or c.name in args.only]
-    for c in [c for c in todo if c.script and not (REPO_ROOT / c.script).exists()]:
+    unwritten = [c for c in todo if c.script and not (REPO_ROOT / c.script).exists()]
+    for c in unwritten:
         print(f"skipping {c.name}: {c.script} does not exist yet")
-        todo.remove(c)
+    todo = [c for c in todo if c not in unwritten]
 
     OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
     failed = []
