@@ -117,10 +117,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": ...}.
         err = exc.errors()[0]
+        if err.get("type") == "json_invalid":
+            return await api_error(_, APIError(400, f"the body is not valid JSON: {err['ctx']['error']} "
+                                                    f"at character {err['loc'][-1]}"))
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        where = ".".join(loc) or "body"
-        return await api_error(_, APIError(400, f"{where}: {err.get('msg', 'invalid value')}",
-                                           param=loc[0] if loc else None))
+        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
+        return await api_error(_, APIError(400, message, param=loc[0] if loc else None))
 
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return await api_error(_, APIError(exc.status_code, str(exc.detail)))
@@ -215,12 +217,12 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
                 while isinstance(item, str):
                     yield sse(chunk({"content": item} if chat else item))
                     item = await run_in_threadpool(next, items, None)
+                if item is None:
+                    raise RuntimeError("the engine's stream ended without a GenerateResult")
             except Exception as exc:  # too late for a status code: report it in the stream
                 yield sse(from_engine_error(exc).body())
                 yield sse("[DONE]")
                 return
-            if item is None:
-                raise RuntimeError("the engine's stream ended without a GenerateResult")
             final = chunk({} if chat else "", item.finish_reason)
             final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply
             yield sse(final)

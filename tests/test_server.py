@@ -170,8 +170,7 @@ def test_bad_input_is_a_400_in_openai_shape(client, name, path, body, param):
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error" and error["code"] == 400
-    if param:
-        assert error["param"] == param
+    assert error["param"] == param
 # --8<-- [end:bad-inputs]
 
 
@@ -202,6 +201,22 @@ def test_an_engine_crash_is_a_json_500_and_the_server_lives_on(tiny_engine):
             resp = c.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 3})
             assert resp.status_code == 500 and "CUDA caught fire" in resp.json()["error"]["message"]
         assert c.get("/health").status_code == 200
+
+
+class FailingStreamEngine(RecordingEngine):
+    def generate_stream(self, prompt, max_new_tokens, params=None):
+        yield "partial"
+        raise RuntimeError("lost the GPU mid-stream")
+
+
+def test_an_engine_failing_mid_stream_ends_the_stream_with_an_error_event(tiny_engine):
+    with TestClient(server.make_app(FailingStreamEngine(tiny_engine))) as c:
+        resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True})
+        assert resp.status_code == 200   # the status line went out with the first chunk
+        events = sse_events(resp.text)
+        assert events[0]["choices"][0]["text"] == "partial"
+        assert "lost the GPU" in events[1]["error"]["message"] and events[-1] == "[DONE]"
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 class EndlessEngine(RecordingEngine):
