@@ -170,6 +170,15 @@ def stat_rows(stats: BenchStats) -> dict[str, float | int | None]:
     return rows
 
 
+def fmt(value) -> str:
+    """Counts as they are, small rates with two decimals, everything else with one."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
 def print_table(title: str, all_stats: list[BenchStats]) -> None:
     """Aligned 'name  value' lines; with several engines, side by side with the ratio to the first."""
     print(f"\n[{title}]")
@@ -182,8 +191,7 @@ def print_table(title: str, all_stats: list[BenchStats]) -> None:
         cells = []
         for col in columns:
             value, first = col[name], columns[0][name]
-            cell = "-" if value is None else f"{value:.2f}" if isinstance(value, float) and abs(value) < 10 \
-                else f"{value:.1f}" if isinstance(value, float) else str(value)
+            cell = fmt(value)
             if col is not columns[0] and value is not None and first and name not in ("requests", "failed"):
                 cell += f" ({value / first:.2f}x)"
             cells.append(f"{cell:<22}")
@@ -248,13 +256,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=None, help="with --batch: chunks of this size")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.runs < 1 or args.warmup < 0 or (args.batch_size or 1) < 1:
-        parser.error("--max-new-tokens, --runs and --batch-size must be >= 1, --warmup >= 0")
+    if min(args.max_new_tokens, args.runs, args.batch_size or 1, args.num_prompts or 1) < 1 or args.warmup < 0:
+        parser.error("--max-new-tokens, --runs, --batch-size and --num-prompts must be >= 1, --warmup >= 0")
 
     specs = args.engine or ["04_engine:BaselineEngine"]
     params = SamplingParams(ignore_eos=args.ignore_eos)   # greedy: every engine does the same work
     prompts = load_prompts(args.prompts, args.num_prompts)
-    engines = [engine_mod.load_engine(spec, args.model, args.device) for spec in specs]  # each loaded once
+    try:
+        engines = [engine_mod.load_engine(spec, args.model, args.device) for spec in specs]  # each loaded once
+    except ValueError as exc:
+        parser.error(str(exc))
     texts = [[prompt_text(e, p) for p in prompts] for e in engines]
     for engine, engine_texts in zip(engines, texts):
         warm = (engine_texts * args.warmup)[: args.warmup]
@@ -262,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
             (engine.generate_batch(warm, args.max_new_tokens, params) if args.batch
              else [engine.generate(t, args.max_new_tokens, params) for t in warm])
 
+    # --8<-- [start:alternate]
     records, seconds = [[] for _ in engines], [0.0 for _ in engines]
     with tqdm(total=args.runs * len(engines) * len(prompts), desc="requests", file=sys.stderr,
               disable=None) as bar:
@@ -274,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
                     recs, secs = run_sequential(engine, texts[i], args.max_new_tokens, params, bar)
                 records[i] += recs
                 seconds[i] += secs
+    # --8<-- [end:alternate]
 
     all_stats = [bench_stats(label, recs, secs) for label, recs, secs in zip(engine_labels(specs), records, seconds)]
     mode = f"batch of {args.batch_size or len(prompts)}" if args.batch else "sequential"

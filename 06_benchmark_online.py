@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     offline.common_args(parser)
     parser.add_argument("--url", action="append", help="measure this running server instead of launching "
                         "05_server.py (repeat it to compare servers)")
-    parser.add_argument("--runs", type=int, default=1, help="passes over the prompt set")
+    parser.add_argument("--runs", type=int, default=2, help="passes over the prompt set (as offline)")
     parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
     parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival schedule")
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
     parser.add_argument("--device", default=None, help="passed on to 05_server.py")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.runs < 1 or args.warmup < 0 or (args.concurrency or 1) < 1:
-        parser.error("--max-new-tokens, --runs and --concurrency must be >= 1, --warmup >= 0")
+    if min(args.max_new_tokens, args.runs, args.concurrency or 1, args.num_prompts or 1) < 1 or args.warmup < 0:
+        parser.error("--max-new-tokens, --runs, --concurrency and --num-prompts must be >= 1, --warmup >= 0")
     if args.request_rate is not None and args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
     if args.url and args.engine:
@@ -217,9 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
                     records, seconds = asyncio.run(measure(url, args, prompts, bar))
                 all_records.append(records)
                 all_stats.append(offline.bench_stats(label, records, seconds))
-        except KeyboardInterrupt:
-            print("\n[interrupted] the server was stopped", file=sys.stderr)
-            raise
+        except KeyboardInterrupt:   # Ctrl-C: launched_server has already stopped the server
+            print("\n[interrupted]", file=sys.stderr)
+            raise SystemExit(130) from None
 
     mode = ("sequential" if not (args.concurrency or args.request_rate) else
             ", ".join(filter(None, [args.concurrency and f"concurrency {args.concurrency}",
