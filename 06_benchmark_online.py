@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -243,4 +244,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` unwinds like Ctrl-C: the server stops too
     main()
