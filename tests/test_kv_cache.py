@@ -87,3 +87,14 @@ def test_with_cache_feeds_one_token_per_decode_step(tiny):
         hook.remove()
     n = prompt_ids.shape[1]
     assert fed == [n, 1, 1, 1, n, n + 1, n + 2]
+
+
+def test_repeated_timing_redoes_the_same_step(tiny, runs):
+    # Repeating a step must roll the cache back first: same tokens, same cache size.
+    _, model, prompt_ids = tiny
+    cached, uncached = kv.decode_both(model, prompt_ids, steps=5, repeats=3)
+    assert cached.tokens == uncached.tokens == runs[0].tokens[:5]
+    held, tokens_cached = kv.measured_cache_bytes(cached.cache)
+    assert tokens_cached == prompt_ids.shape[1] + 4
+    assert held == kv.kv_bytes_per_token(model.config, torch.float32) * tokens_cached
+    assert len(cached.step_seconds) == len(uncached.step_seconds) == 5
