@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
              f"max_new_tokens={args.max_new_tokens}{', ignore_eos' if args.ignore_eos else ''}")
     print_table(title, all_stats)
     config = {**vars(args), "engine": specs, "mode": mode,   # what was really run, for the record
-              "model": getattr(engines[0], "model_name", args.model), "device": str(getattr(engines[0], "device", ""))}
+              "model": getattr(engines[0], "model_name", args.model),
+              "device": str(getattr(engines[0], "device", ""))}
     if args.json:
         write_json(args.json, config, all_stats, records)
         print(f"\n[saved] {args.json}")

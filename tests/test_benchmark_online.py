@@ -142,8 +142,8 @@ def test_real_run_against_the_server(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(online, "launched_server", spy)
 
     out, png = tmp_path / "online.json", tmp_path / "online.png"
-    online.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "3", "--runs", "1", "--max-new-tokens", "4",
-                 "--warmup", "1", "--ignore-eos", "--concurrency", "2", "--json", str(out), "--plot", str(png)])
+    online.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "3", "--runs", "1",
+                 "--max-new-tokens", "4", "--warmup", "1", "--ignore-eos", "--concurrency", "2", "--json", str(out), "--plot", str(png)])
     (entry,) = json.loads(out.read_text())["results"]
     stats = entry["stats"]
     assert stats["requests"] == 3 and stats["failed"] == 0
