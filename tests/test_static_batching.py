@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -46,6 +48,7 @@ def assert_matches_solo(engine, prompt: str, solo, batched) -> None:
     margin, top2 = top2_margin(engine, prompt, solo.output_ids[:k])
     assert margin < 1e-3 and batched.output_ids[k] in top2, (
         f"batched output diverges at token {k} where the top-2 margin is {margin:.2e}: not a float32 tie")
+    warnings.warn(f"float32 near-tie: batched row diverges at token {k} (top-2 margin {margin:.1e})")
 
 
 def test_max_batch_size_is_validated(batch_mod):
