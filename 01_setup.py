@@ -141,6 +141,8 @@ def resolve_model(name: str | None = None) -> str:
         return str(provision_default_model())
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise ValueError(f"model folder {name!r} does not exist (and it is not an HF id like 'org/name')")
     return name
 # --8<-- [end:resolve]
 

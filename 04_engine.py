@@ -308,8 +308,9 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 # --8<-- [end:chat]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the Chapter 1 baseline engine once.")
+def demo_parser(description: str) -> argparse.ArgumentParser:
+    """The command-line flags every engine script shares (later chapters add their own)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -319,13 +320,19 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
-    args = parser.parse_args()
+    return parser
 
-    # --8<-- [start:main]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    engine = BaselineEngine(args.model, device=args.device)
-    prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
-    result = engine.generate(prompt, args.max_new_tokens, params)
+
+# --8<-- [start:main]
+def demo(engine_class: type[BaselineEngine], args: argparse.Namespace):
+    """Build the engine, send one request, print [Prompt], [Output] and [Metrics]."""
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        engine = engine_class(args.model, device=args.device)
+        prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+        result = engine.generate(prompt, args.max_new_tokens, params)
+    except (ValueError, OSError) as exc:  # bad flags or a model that cannot be found: say so, no traceback
+        raise SystemExit(f"error: {exc}") from None
 
     print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
     print(f"\n[Output]\n  {result.text.strip()}")
@@ -333,7 +340,12 @@ def main() -> None:
     for name, value in result.metrics.as_dict().items():
         print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
     print(f"  {'finish_reason':<15} {result.finish_reason}")
-    # --8<-- [end:main]
+    return engine, prompt, params
+# --8<-- [end:main]
+
+
+def main() -> None:
+    demo(BaselineEngine, demo_parser("Run the Chapter 1 baseline engine once.").parse_args())
 
 
 if __name__ == "__main__":

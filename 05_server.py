@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Literal
 
@@ -325,6 +331,57 @@ def __getattr__(name: str):
                                     os.environ.get("ENGINE_MODEL"))
     globals()["app"] = app = make_app(engine)
     return app
+
+
+def free_port() -> int:
+    """A loopback port nobody is listening on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --8<-- [start:subprocess]
+@contextlib.contextmanager
+def serve_in_subprocess(model: str | None = None, engine: str = DEFAULT_ENGINE, device: str | None = None,
+                        startup_timeout_s: float = 180.0, env: dict | None = None) -> Iterator[str]:
+    """Run this server as its own process on a free loopback port; yield its base URL.
+
+    Waits until /health answers, and stops the server when the block ends, however it
+    ends (an exception, Ctrl-C). Benchmarks, end-to-end tests and the book all use it.
+    """
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--host", "127.0.0.1", "--port", str(port),
+           "--engine", engine] + (["--model", model] if model else []) + (["--device", device] if device else [])
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent,
+                                env={**os.environ, **(env or {})})
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while not _healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = "".join(log.readlines()[-15:])
+                    raise RuntimeError(f"the server ({engine}) did not come up, exit code {proc.returncode}:\n{tail}")
+                time.sleep(0.25)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+# --8<-- [end:subprocess]
 
 
 def main() -> None:

@@ -25,10 +25,7 @@ import contextlib
 import importlib
 import json
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -37,46 +34,18 @@ import numpy as np
 from tqdm import tqdm
 
 offline = importlib.import_module("06_benchmark_offline")  # one definition of the statistics
+server = importlib.import_module("05_server")               # ... and of launching the server
 setup = offline.setup
 RequestRecord = offline.RequestRecord
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def launched_server(spec: str, model: str | None, device: str | None, timeout_s: float) -> Iterator[str]:
     """Run 05_server.py with this engine until the block ends, however it ends (Ctrl-C included)."""
-    port = free_port()
-    cmd = [sys.executable, str(setup.REPO_ROOT / "05_server.py"), "--host", "127.0.0.1", "--port", str(port),
-           "--model", model or setup.DEFAULT_MODEL, "--engine", spec] + (["--device", device] if device else [])
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=setup.REPO_ROOT)
-        try:
-            print(f"[server] starting {spec} on {url} ...", flush=True)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = "".join(log.readlines()[-15:])
-                    raise RuntimeError(f"server for {spec} did not come up (exit code {proc.returncode}):\n{tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.25)
-            print("[server] ready", flush=True)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    print(f"[server] starting {spec} ...", flush=True)
+    with server.serve_in_subprocess(model, spec, device, startup_timeout_s=timeout_s) as url:
+        print(f"[server] ready on {url}", flush=True)
+        yield url
 
 
 def request_for(prompt: dict, model_id: str, max_tokens: int, ignore_eos: bool, stream: bool) -> tuple[str, dict]:

@@ -21,7 +21,6 @@ after that: the decode pace).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import inspect
@@ -187,33 +186,12 @@ def compare_with_generate(engine: DecodeLoopEngine, prompts: list[str], new_toke
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 2: our own prefill + decode loop.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
-    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser = engine04.demo_parser("Chapter 2: our own prefill + decode loop.")
     parser.add_argument("--stream", action="store_true", help="then stream the answer token by token")
     parser.add_argument("--compare", type=int, default=0, metavar="REPS",
                         help="time HF generate vs this loop (64 tokens, ignore_eos, REPS rounds)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     args = parser.parse_args()
-
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    engine = DecodeLoopEngine(args.model, device=args.device)
-    prompt = args.prompt if args.raw else engine04.render_chat(
-        engine.tokenizer, [{"role": "user", "content": args.prompt}])
-    result = engine.generate(prompt, args.max_new_tokens, params)
-
-    print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
-    print(f"\n[Output]\n  {result.text.strip()}")
-    print("\n[Metrics]")
-    for name, value in result.metrics.as_dict().items():
-        print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
-    print(f"  {'finish_reason':<15} {result.finish_reason}")
+    engine, prompt, params = engine04.demo(DecodeLoopEngine, args)
 
     if args.stream:
         # --8<-- [start:stream-demo]

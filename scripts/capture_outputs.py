@@ -18,16 +18,15 @@ in a page with  --8<-- "book/outputs/<name>.txt"  and commit both.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,21 +38,20 @@ OUTPUT_DIR = REPO_ROOT / "book" / "outputs"
 class Capture:
     """One output file: the commands whose stdout it holds.
 
-    With `server`, that command is started first (with {port} filled in), the
-    commands run once `ready` (a URL) answers, and the server is stopped after.
+    With `server`, 05_server.py (default engine and model) is started first on a
+    free port, the commands run with {port} filled in, and the server is stopped after.
     """
 
     name: str
     commands: list[str]
-    server: str | None = None
-    ready: str = "http://127.0.0.1:{port}/health"
+    server: bool = False
     timeout_s: float = 600
 
     @property
     def script(self) -> str | None:
         """The numbered script this entry runs (entries for unwritten scripts are skipped)."""
-        words = shlex.split(self.server or self.commands[0])
-        return words[1] if words[0] == "python" else None
+        words = shlex.split(self.commands[0])
+        return "05_server.py" if self.server else (words[1] if words[0] == "python" else None)
 
 
 URL = "http://127.0.0.1:{port}"    # shown as port 8000 in the book
@@ -77,7 +75,7 @@ CAPTURES = [
         """-d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "stream": true}'""",
         f"curl -s -w '\\n(HTTP %{{http_code}})\\n' {URL}/v1/chat/completions {JSON} "
         """-d '{"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}'""",
-    ], server="python 05_server.py --port {port}"),
+    ], server=True),
     Capture("06_benchmark_offline", [
         "python 06_benchmark_offline.py --num-prompts 8 --runs 1 --max-new-tokens 16",
     ], timeout_s=1800),
@@ -116,25 +114,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"the server did not answer {url} within {timeout_s:.0f}s")
-
-
 def _run(command: str, env: dict, timeout_s: float) -> str:
     # Its own process group, so a timeout stops the whole pipeline, not only the shell.
     proc = subprocess.Popen(command, shell=True, cwd=REPO_ROOT, env=env, text=True, start_new_session=True,
@@ -153,14 +132,14 @@ def _run(command: str, env: dict, timeout_s: float) -> str:
 
 def capture(entry: Capture) -> str:
     """Run one entry and return its cleaned transcript."""
-    env, server, log = _env(), None, None
-    port = _free_port() if entry.server else 0
-    try:
+    env = _env()
+    with contextlib.ExitStack() as stack:
+        port = 0
         if entry.server:
-            log = tempfile.TemporaryFile()
-            server = subprocess.Popen(shlex.split(entry.server.replace("{port}", str(port))), cwd=REPO_ROOT, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT)
-            _wait_ready(entry.ready.replace("{port}", str(port)), server, entry.timeout_s)
+            sys.path.insert(0, str(REPO_ROOT))
+            server = importlib.import_module("05_server")  # one launcher for tests, benchmarks and the book
+            url = stack.enter_context(server.serve_in_subprocess(env=env, startup_timeout_s=entry.timeout_s))
+            port = int(url.rsplit(":", 1)[1])
         parts = []
         for command in entry.commands:
             command = command.replace("{port}", str(port))
@@ -168,21 +147,6 @@ def capture(entry: Capture) -> str:
             out = _run(command, env, entry.timeout_s).replace(f"127.0.0.1:{port}", "127.0.0.1:8000")
             parts.append(f"$ {shown}\n{out.rstrip()}\n")
         return clean("\n".join(parts))
-    except RuntimeError:
-        if log is not None:
-            log.seek(0)
-            print("  server log (tail):\n    " + "\n    ".join(
-                log.read().decode(errors="replace").splitlines()[-15:]), file=sys.stderr)
-        raise
-    finally:
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        if log is not None:
-            log.close()
 
 
 def main() -> int:

@@ -2,69 +2,32 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from conftest import REPO_ROOT, load_script
+from conftest import load_script
 
 openai = pytest.importorskip("openai")
 render_chat = load_script("04_engine").render_chat
+server_mod = load_script("05_server")
 
 PROMPTS = ["Tell me about the sea.", "What is 2+2?", "Name a colour.", "Write a haiku.",
            "Who wrote Hamlet?", "Explain gravity.", "Say hello in French.", "List three fruits."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(model: str, tmp_path, startup_timeout: float = 180.0, threads: int | None = None):
-    """Start `python 05_server.py` on a free port, wait for /health, always stop it."""
-    port, log = free_port(), tmp_path / "server.log"
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "05_server.py", "--host", "127.0.0.1", "--port", str(port),
-             "--model", model, "--device", "cpu"],
-            cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-            env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {startup_timeout}s:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def running_server(model: str, threads: int | None = None):
+    """05_server.py as its own process on a free loopback port (the same launcher the benchmark uses)."""
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    return server_mod.serve_in_subprocess(model, device="cpu", startup_timeout_s=180.0, env=env)
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_dir, tmp_path_factory):
+def base_url(tiny_model_dir):
     # One thread: a tiny model gains nothing from more, and the test process needs a core too.
-    with running_server(str(tiny_model_dir), tmp_path_factory.mktemp("server"), threads=1) as base:
+    with running_server(str(tiny_model_dir), threads=1) as base:
         yield base
 
 
@@ -142,7 +105,7 @@ def test_a_client_hanging_up_mid_stream_frees_the_server(base_url):
 
 @pytest.mark.real_model
 def test_readme_curl_request_against_smollm2(default_model_dir, tmp_path):
-    with running_server(str(default_model_dir), tmp_path) as base:
+    with running_server(str(default_model_dir)) as base:
         # The README's: curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json'
         #   -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
         resp = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={

@@ -86,6 +86,8 @@ def test_resolve_model(tmp_path, default_model_dir):
     assert setup.resolve_model("arnir0/Tiny-LLM") == "arnir0/Tiny-LLM"  # a hub id, untouched
     assert Path(setup.resolve_model(None)) == default_model_dir
     assert Path(setup.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")) == default_model_dir
+    with pytest.raises(ValueError, match="does not exist"):
+        setup.resolve_model(str(tmp_path / "no-such-model"))
 
 
 def test_pick_device():
