@@ -93,6 +93,7 @@ CAPTURES = [
     ], timeout_s=1800),
 ]
 
+_LOOPBACK = re.compile(r"127\.0\.0\.1:\d+")   # servers get free ports; the book shows one fixed port
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -143,8 +144,8 @@ def capture(entry: Capture) -> str:
         parts = []
         for command in entry.commands:
             command = command.replace("{port}", str(port))
-            shown = command.replace(f"127.0.0.1:{port}", "127.0.0.1:8000")  # a stable port in the book
-            out = _run(command, env, entry.timeout_s).replace(f"127.0.0.1:{port}", "127.0.0.1:8000")
+            shown = _LOOPBACK.sub("127.0.0.1:8000", command)  # a stable port in the book
+            out = _LOOPBACK.sub("127.0.0.1:8000", _run(command, env, entry.timeout_s))
             parts.append(f"$ {shown}\n{out.rstrip()}\n")
         return clean("\n".join(parts))
 
