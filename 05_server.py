@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -208,13 +209,46 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
         yield result
 
     # --8<-- [start:stream]
+    async def run_ahead(items: Iterator) -> AsyncIterator:
+        """Drive a blocking iterator from its own thread, so that the engine computes the
+        next token while the event loop is still sending the previous one."""
+        loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+
+        def produce() -> None:
+            try:
+                for item in items:
+                    loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
+                    if stop.is_set():      # the client is gone: stop at the next token
+                        break
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+            except Exception as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+            finally:
+                items.close()              # closed by the thread that runs it: stops the engine's work
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            stop.set()
+            with anyio.CancelScope(shield=True):   # a cancellation must not skip the clean-up
+                await run_in_threadpool(producer.join)
+
     async def event_stream(items: Iterator, chunk: Callable[..., dict], chat: bool,
                            include_usage: bool) -> AsyncIterator[str]:
         """SSE events: text as the engine produces it, under the lock for the whole stream."""
         await lock.acquire()
+        produced = run_ahead(items)
         try:
             try:  # before the first event an error can still be a proper 4xx response
-                item = await run_in_threadpool(next, items, None)
+                item = await anext(produced, None)
             except Exception as exc:
                 raise from_engine_error(exc) from exc
             if chat:
@@ -222,7 +256,7 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
             try:
                 while isinstance(item, str):
                     yield sse(chunk({"content": item} if chat else item))
-                    item = await run_in_threadpool(next, items, None)
+                    item = await anext(produced, None)
                 if item is None:
                     raise RuntimeError("the engine's stream ended without a GenerateResult")
             except Exception as exc:  # too late for a status code: report it in the stream
@@ -236,10 +270,10 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
                 yield sse({**chunk({}), "choices": [], "usage": usage([item])})
             yield sse("[DONE]")
         finally:
-            # Closing the iterator on a disconnect (a cancellation lands here) stops the
-            # engine's worker; shielded, so the cancellation cannot skip it.
+            # On a disconnect (a cancellation lands here) this stops the producer thread,
+            # which closes the engine's iterator; shielded, so nothing can skip it.
             with anyio.CancelScope(shield=True):
-                await run_in_threadpool(items.close)
+                await produced.aclose()
             lock.release()
 
     async def streaming_response(items: Iterator, chunk: Callable, chat: bool,
