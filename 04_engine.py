@@ -178,14 +178,19 @@ class BaselineEngine(BaseOfflineEngine):
     # --8<-- [end:generation-config]
 
     # --8<-- [start:finish]
-    def finish(self, new_ids: list[int], params: SamplingParams, n_prompt: int,
-               elapsed_s: float) -> GenerateResult:
-        """Build the result shared by every engine: text cut at a stop string, honest metrics."""
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        for token_id in new_ids:
-            detok.add(token_id)
-            if detok.stopped:
-                break
+    def finish(self, new_ids: list[int], params: SamplingParams, n_prompt: int, elapsed_s: float,
+               detok: IncrementalDetokenizer | None = None) -> GenerateResult:
+        """Build the result shared by every engine: text cut at a stop string, honest metrics.
+
+        A streaming caller passes the detokenizer that already saw every id, so the text
+        is not decoded a second time.
+        """
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            for token_id in new_ids:
+                detok.add(token_id)
+                if detok.stopped:
+                    break
         ended_on_eos = bool(new_ids) and new_ids[-1] in self.eos_token_ids and not params.ignore_eos
         return GenerateResult(
             text=detok.text,
@@ -263,12 +268,14 @@ class BaselineEngine(BaseOfflineEngine):
                 new_ids.append(token_id)
                 if piece := detok.add(token_id):
                     yield piece
+                if detok.stopped:  # the stop string is complete: nothing after it is wanted
+                    break
             if piece := detok.flush():
                 yield piece
         finally:
             cancel.set()
             worker.join()
-        yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0)
+        yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0, detok)
     # --8<-- [end:stream]
 
 

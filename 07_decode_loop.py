@@ -135,7 +135,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
     # --8<-- [start:metrics]
     def result(self, seq: Sequence, t0: float) -> GenerateResult:
         """BaselineEngine's result (same text, ids, finish_reason) plus the loop's own timings."""
-        res = self.finish(seq.new_ids, seq.params, seq.n_prompt, seq.t_last - t0)
+        res = self.finish(seq.new_ids, seq.params, seq.n_prompt, seq.t_last - t0, seq.detok)
         res.metrics.ttft_ms = (seq.t_first - t0) * 1e3            # call start -> first token ready
         if len(seq.new_ids) > 1:                                  # mean gap between later tokens
             res.metrics.tpot_ms = (seq.t_last - seq.t_first) / (len(seq.new_ids) - 1) * 1e3
