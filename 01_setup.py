@@ -172,10 +172,11 @@ def load_model(name: str | None = None, device=None, dtype=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)
+    local = Path(path).is_dir()  # a folder on disk: never ask a hub about it
     device = device if device is not None else pick_device()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
     model = (
-        AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=local)
         .to(device)
         .eval()  # inference mode: no dropout, deterministic forward passes
     )
