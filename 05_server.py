@@ -170,6 +170,7 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
     context_length = getattr(engine, "context_length", None)
     app = FastAPI(title="llm-engine-companion", version="0.1.0")
     install_error_handlers(app)
+    # --8<-- [end:make-app]
 
     # --8<-- [start:queue-lock]
     # The engines of the early chapters serve one request at a time, so requests queue
@@ -344,6 +345,7 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
             "metrics": metrics[0] if isinstance(req.prompt, str) else metrics,
         }
 
+    # --8<-- [start:small-endpoints]
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
@@ -354,7 +356,7 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
         return {"status": "ok"}
 
     return app
-# --8<-- [end:make-app]
+    # --8<-- [end:small-endpoints]
 
 
 def __getattr__(name: str):
