@@ -77,7 +77,8 @@ CAPTURES = [
         """-d '{"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}'""",
     ], server=True),
     Capture("06_benchmark_offline", [
-        "python 06_benchmark_offline.py --num-prompts 8 --runs 1 --max-new-tokens 16",
+        "python 06_benchmark_offline.py --num-prompts 8 --runs 1 --max-new-tokens 16"
+        " --plot book/assets/ch1-benchmark-offline.png",
     ], timeout_s=1800),
     Capture("06_benchmark_online", [
         "python 06_benchmark_online.py --num-prompts 8 --max-new-tokens 16 --concurrency 2",
@@ -85,7 +86,7 @@ CAPTURES = [
     Capture("07_decode_loop", ["python 07_decode_loop.py --stream"]),
     Capture("07_vs_baseline", [
         "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 07_decode_loop:DecodeLoopEngine"
-        " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos",
+        " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos --plot book/assets/ch2-07-vs-baseline.png",
     ], timeout_s=1800),
     Capture("08_kv_cache", ["python 08_kv_cache.py --plot book/assets/ch2-kv-cache.png"], timeout_s=1800),
     Capture("09_static_batching", [
