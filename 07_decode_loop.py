@@ -22,6 +22,7 @@ after that: the decode pace).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import time
@@ -52,15 +53,20 @@ class Sequence:
     t_last: float = 0.0                           # ... and its last one
 
 
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """forward()'s keyword for the KV cache: transformers 5 renamed `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 class DecodeLoopEngine(engine04.BaselineEngine):
     """Chapter 2: the same interface and results as BaselineEngine, with our own loop inside."""
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32):
         super().__init__(model_name, device, dtype)
-        # transformers 5 renamed forward(past_key_values=...) to forward(cache=...); accept both.
         params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(type(self.model))
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     # --8<-- [start:prefill]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import statistics
 import time
@@ -33,20 +32,17 @@ from transformers import DynamicCache
 
 setup = importlib.import_module("01_setup")
 sampling = importlib.import_module("02_sampling")
+decode_loop = importlib.import_module("07_decode_loop")  # one definition of the cache keyword
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived an"
-
-
-def cache_argument(model) -> str:
-    """The forward() keyword for the cache: transformers 5 renamed `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # --8<-- [start:steps]
 @torch.no_grad()
 def step_with_cache(model, new_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
     """Feed only the new token(s). Earlier keys/values come from `cache`, which grows in place."""
-    out = model(input_ids=new_ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    cache_kw = decode_loop.cache_keyword(type(model))   # past_key_values, or cache in transformers 5
+    out = model(input_ids=new_ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
     return out.logits[0, -1]
 
 
