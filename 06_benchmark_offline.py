@@ -248,6 +248,16 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput here")
 
 
+def save_outputs(args, config: dict, all_stats: list[BenchStats], all_records: list[list], title: str) -> None:
+    """--json and --plot, for this benchmark and the online one alike."""
+    if args.json:
+        write_json(args.json, config, all_stats, all_records)
+        print(f"\n[saved] {args.json}")
+    if args.plot:
+        plot_results(args.plot, all_stats, all_records, title)
+        print(f"[saved] {args.plot}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Offline benchmark: time engine.generate in-process.")
     common_args(parser)
@@ -296,12 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = {**vars(args), "engine": specs, "mode": mode,   # what was really run, for the record
               "model": getattr(engines[0], "model_name", args.model),
               "device": str(getattr(engines[0], "device", ""))}
-    if args.json:
-        write_json(args.json, config, all_stats, records)
-        print(f"\n[saved] {args.json}")
-    if args.plot:
-        plot_results(args.plot, all_stats, records, title)
-        print(f"[saved] {args.plot}")
+    save_outputs(args, config, all_stats, records, title)
     return {"config": config, "stats": all_stats, "records": records}
 
 

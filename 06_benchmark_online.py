@@ -203,12 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             first_error = next(r.error for r in all_records[all_stats.index(stats)] if r.error)
             print(f"  [{stats.name}] {stats.failed} failed, e.g. {first_error}")
     config = {**vars(args), "engine": None if args.url else specs, "targets": targets, "mode": mode}
-    if args.json:
-        offline.write_json(args.json, config, all_stats, all_records)
-        print(f"\n[saved] {args.json}")
-    if args.plot:
-        offline.plot_results(args.plot, all_stats, all_records, title)
-        print(f"[saved] {args.plot}")
+    offline.save_outputs(args, config, all_stats, all_records, title)
     return {"config": config, "stats": all_stats, "records": all_records}
 
 
