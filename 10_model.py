@@ -1,0 +1,352 @@
+"""10_model.py - Chapter 6: a model we own. The Llama forward pass in plain PyTorch.
+
+Every engine so far handed token ids to Hugging Face's `model(...)` and got logits
+back. Paged KV caches, continuous batching and quantisation all change what happens
+*inside* that call, so this chapter writes the call itself, in plain torch ops:
+
+    embedding -> 30 x [ RMSNorm -> attention (RoPE, grouped-query) -> + residual
+                        RMSNorm -> SwiGLU MLP                      -> + residual ]
+              -> RMSNorm -> LM head (the embedding matrix again, when tied)
+
+Two choices make it an engine's model rather than a research model:
+
+    a flat, ragged batch   the new tokens of all sequences concatenated into one
+                           [total_tokens] vector, with per-sequence lengths, so one
+                           forward can carry one request's prefill next to other
+                           requests' single decode tokens
+    a KV cache we own      plain tensors we allocate; each new key/value is written
+                           to its *slot* (row * max_len + position) by one index_copy
+
+Weights come from `config.json` and `model.safetensors` via the safetensors package;
+transformers only supplies the tokenizer (and is the reference we check against).
+The engine (`ModelEngine`) lives in `10_model_engine.py`, the profiler in `10_profile.py`.
+
+    python 10_model.py                  # the demo: shape, the usual answer, logits vs HF
+    python 10_model.py --profile        # where one decode step's time goes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+# --8<-- [start:config]
+@dataclass(frozen=True)
+class ModelConfig:
+    """The numbers of config.json that the forward pass needs, checked once."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None      # Llama-3 style long-context scaling, or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_json(cls, raw: dict) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not implemented by 10_model.py "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        for unsupported in ("attention_bias", "mlp_bias"):
+            if raw.get(unsupported):
+                raise ValueError(f"config sets {unsupported}=true: biases are not implemented by 10_model.py")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not implemented (only silu)")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta/rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope type {rope_type!r} is not implemented (only default and llama3)")
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Chapter 2's formula: keys and values, every layer, every KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+# --8<-- [end:config]
+
+
+# --8<-- [start:rope]
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """One rotation speed per pair of head dimensions; Llama 3 slows the slow ones further."""
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+    s = config.rope_scaling
+    if s:  # wavelengths longer than the original context are stretched by `factor`, smoothly
+        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_context = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_context / wavelen - low) / (high - low)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [tokens, heads, head_dim] by each token's angle (the 'rotate half' layout)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+# --8<-- [end:rope]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Scale each vector to unit root-mean-square (in float32), then by a learned gain."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+# --8<-- [start:kv-cache]
+class KVCache:
+    """Keys and values of `rows` sequences, each in its own contiguous region of max_len slots.
+
+    Layout per layer: [rows * max_len, kv_heads, head_dim]. Token t of the sequence in
+    row r lives in slot r * max_len + t, so writing a whole ragged batch's new keys is
+    one index_copy_ with a slot mapping; Chapter 7 replaces rows by pages.
+    """
+
+    def __init__(self, config: ModelConfig, rows: int, max_len: int, dtype=torch.float32, device="cpu"):
+        if rows < 1 or max_len < 1:
+            raise ValueError(f"a KV cache needs rows >= 1 and max_len >= 1, got {rows} x {max_len}")
+        shape = (rows * max_len, config.num_kv_heads, config.head_dim)
+        self.rows, self.max_len = rows, max_len
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values as [rows, max_len, kv_heads, head_dim]."""
+        shape = (self.rows, self.max_len, *self.k[layer].shape[1:])
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+# --8<-- [end:kv-cache]
+
+
+# --8<-- [start:batch]
+@dataclass
+class RaggedBatch:
+    """What one forward pass computes: new tokens of several sequences, concatenated.
+
+    Sequence i owns cache row rows[i], already holds starts[i] tokens there, and brings
+    lengths[i] new ones (a prefill brings its prompt, a decode step brings 1).
+    """
+
+    token_ids: torch.Tensor      # [total_tokens]
+    positions: torch.Tensor      # [total_tokens]: starts[i] + 0 .. lengths[i]-1 for each i
+    slots: torch.Tensor          # [total_tokens]: where each new key/value is written
+    rows: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+    @classmethod
+    def build(cls, new_tokens: list[list[int]], rows: list[int], starts: list[int], max_len: int,
+              device="cpu") -> RaggedBatch:
+        lengths = [len(t) for t in new_tokens]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("every sequence in a batch needs at least one new token")
+        if any(s + n > max_len for s, n in zip(starts, lengths)):
+            raise ValueError(f"a sequence would outgrow its KV cache region of {max_len} tokens")
+        positions = [s + j for s, n in zip(starts, lengths) for j in range(n)]
+        slots = [r * max_len + s + j for r, s, n in zip(rows, starts, lengths) for j in range(n)]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor([t for seq in new_tokens for t in seq]), as_tensor(positions),
+                   as_tensor(slots), list(rows), list(starts), lengths)
+# --8<-- [end:batch]
+
+
+class LlamaModel:
+    """The whole decoder: weights as plain tensors, forward as plain torch calls."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.config, self.w = config, weights
+        self.dtype, self.device = weights["embed"].dtype, weights["embed"].device
+        self.inv_freq = rope_frequencies(config).to(self.device)
+
+    # --8<-- [start:load]
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> LlamaModel:
+        """Read config.json and model.safetensors; fuse QKV and gate/up as we load."""
+        folder = Path(folder)
+        config = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{folder} has no .safetensors weights")
+        tensors = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                tensors.update({name: f.get_tensor(name) for name in f.keys()})
+        c, kv = config, config.num_kv_heads * config.head_dim
+
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"{folder}: tensor {name!r} is missing from the safetensors file")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"{folder}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                 f"the config implies {shape}")
+            return tensors[name].to(device=device, dtype=dtype)
+
+        w = {"embed": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+             "norm": take("model.norm.weight", (c.hidden_size,))}
+        if c.tie_word_embeddings:
+            w["lm_head"] = w["embed"]     # one matrix, read twice: 113 MB saved on the default model
+        else:
+            w["lm_head"] = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            q = take(p + "self_attn.q_proj.weight", (c.num_heads * c.head_dim, c.hidden_size))
+            k = take(p + "self_attn.k_proj.weight", (kv, c.hidden_size))
+            v = take(p + "self_attn.v_proj.weight", (kv, c.hidden_size))
+            gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+            up = take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+            # Three projections of the same input are one matmul with stacked weights: the
+            # input is read once and one larger GEMM keeps the cores busier than three small ones.
+            w[p + "qkv"] = torch.cat([q, k, v])
+            w[p + "gate_up"] = torch.cat([gate, up])
+            w[p + "o"] = take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))
+            w[p + "down"] = take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))
+            w[p + "norm1"] = take(p + "input_layernorm.weight", (c.hidden_size,))
+            w[p + "norm2"] = take(p + "post_attention_layernorm.weight", (c.hidden_size,))
+        return cls(config, w)
+    # --8<-- [end:load]
+
+    @property
+    def weight_bytes(self) -> int:
+        unique = {t.data_ptr(): t for t in self.w.values()}   # a tied LM head counts once
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in {t.data_ptr(): t for t in self.w.values()}.values())
+
+    def new_cache(self, rows: int, max_len: int) -> KVCache:
+        return KVCache(self.config, rows, max_len, self.dtype, self.device)
+
+    # --8<-- [start:attention]
+    def attention(self, i: int, h: torch.Tensor, batch: RaggedBatch, cache: KVCache,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, p = self.config, f"model.layers.{i}."
+        q, k, v = (h @ self.w[p + "qkv"].T).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        cache.k[i].index_copy_(0, batch.slots, k)      # the slot mapping: new K/V into the cache
+        cache.v[i].index_copy_(0, batch.slots, v.view(-1, c.num_kv_heads, c.head_dim))
+        out = self.attend(q, *cache.view(i), batch)
+        return out @ self.w[p + "o"].T
+    # --8<-- [end:attention]
+
+    # --8<-- [start:attend]
+    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+               batch: RaggedBatch) -> torch.Tensor:
+        """Each sequence's queries against its own cached keys: one SDPA call for the batch.
+
+        Ragged queries are padded to the longest one ([seqs, heads, q_len, head_dim]) and the
+        keys of every row read up to the longest context; a mask hides, per row, keys beyond
+        that row's causal horizon. Decode-only batches (q_len 1) need no query padding.
+        """
+        c, n = self.config, len(batch.lengths)
+        q_len, ctx = max(batch.lengths), max(s + L for s, L in zip(batch.starts, batch.lengths))
+        rows = batch.rows
+        if rows == list(range(rows[0], rows[0] + n)):    # neighbouring rows: a view, no copy
+            k, v = k_all[rows[0]: rows[0] + n, :ctx], v_all[rows[0]: rows[0] + n, :ctx]
+        else:
+            index = torch.tensor(rows, device=q.device)
+            k, v = k_all[index, :ctx], v_all[index, :ctx]
+        uniform = len(set(batch.lengths)) == 1
+        if uniform:
+            qp = q.view(n, q_len, c.num_heads, c.head_dim)
+        else:   # scatter the flat queries into a padded rectangle
+            qp = q.new_zeros(n, q_len, c.num_heads, c.head_dim)
+            qp[self._pad_index(batch)] = q
+        # Equal starts and lengths make the rectangle exact: plain (or causal) attention, no mask.
+        mask = None
+        if not (uniform and len(set(batch.starts)) == 1 and (q_len == 1 or batch.starts[0] == 0)):
+            starts = torch.tensor(batch.starts, device=q.device).view(n, 1, 1)
+            q_pos = starts + torch.arange(q_len, device=q.device).view(1, q_len, 1)
+            mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= q_pos).unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=mask is None and q_len > 1, enable_gqa=c.num_kv_heads != c.num_heads)
+        out = out.transpose(1, 2)                              # [seqs, q_len, heads, head_dim]
+        out = out.reshape(-1, c.num_heads * c.head_dim) if uniform else out[self._pad_index(batch)].flatten(1)
+        return out
+
+    @staticmethod
+    def _pad_index(batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, offset) of every flat token inside the padded rectangle."""
+        seq = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
+        offset = torch.cat([torch.arange(n) for n in batch.lengths])
+        return seq.to(batch.token_ids.device), offset.to(batch.token_ids.device)
+    # --8<-- [end:attend]
+
+    # --8<-- [start:forward]
+    @torch.inference_mode()
+    def forward(self, batch: RaggedBatch, cache: KVCache, all_logits: bool = False,
+                timer=None) -> torch.Tensor:
+        """Logits of each sequence's last new token, [seqs, vocab] (or of every token).
+
+        `timer(name)` is an optional context manager factory (the --profile flag uses it).
+        """
+        c, w = self.config, self.w
+        timer = timer or (lambda name: contextlib.nullcontext())
+        with timer("embedding"):
+            x = w["embed"][batch.token_ids]                    # [total_tokens, hidden]
+            angles = batch.positions.unsqueeze(1).float() * self.inv_freq
+            cos, sin = angles.cos().repeat(1, 2).unsqueeze(1), angles.sin().repeat(1, 2).unsqueeze(1)
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            with timer("attention"):
+                x = x + self.attention(i, rms_norm(x, w[p + "norm1"], c.rms_norm_eps), batch, cache, cos, sin)
+            with timer("mlp"):
+                gate, up = (rms_norm(x, w[p + "norm2"], c.rms_norm_eps) @ w[p + "gate_up"].T).chunk(2, dim=-1)
+                x = x + (F.silu(gate) * up) @ w[p + "down"].T  # SwiGLU: gate and up from one matmul
+        with timer("lm_head"):
+            if not all_logits:   # only the last token of each sequence predicts what comes next
+                last = torch.tensor(batch.lengths, device=x.device).cumsum(0) - 1
+                x = x[last]
+            return (rms_norm(x, w["norm"], c.rms_norm_eps) @ w["lm_head"].T).float()
+    # --8<-- [end:forward]
+
+
+def __getattr__(name: str):
+    """`10_model:ModelEngine` works as an engine spec: the engine lives in 10_model_engine.py."""
+    if name == "ModelEngine":
+        import importlib
+        return importlib.import_module("10_model_engine").ModelEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    import importlib
+    importlib.import_module("10_model_engine").main()

@@ -1,0 +1,152 @@
+"""10_profile.py - where one decode step's time goes, and how far each part is from the machine's limits.
+
+A decode step at batch 1 reads every weight once to make one token: its floor is
+weight bytes / memory bandwidth. At batch 32 the same bytes make 32 tokens, so the
+floor moves towards FLOPs / matmul speed. This measures both limits on the machine
+at hand (a big reduction for bandwidth, a big GEMM for FLOP/s) and times the parts of
+real decode steps of `ModelEngine` (its forward's optional `timer` hook):
+
+    embedding   token lookup and the RoPE angles
+    attention   RMSNorm, fused QKV, RoPE, KV-cache write, SDPA, output projection (x layers)
+    mlp         RMSNorm, fused gate/up, SwiGLU, down projection (x layers)
+    lm_head     final RMSNorm and the vocabulary projection of the last tokens
+    sampling    choosing the token (argmax here)
+    overhead    everything else in the step: building the batch, Python, the loop
+
+    python 10_model.py --profile --plot ch6-profile.png
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections import defaultdict
+
+import torch
+
+engine04 = importlib.import_module("04_engine")
+model10 = importlib.import_module("10_model")
+PARTS = ("embedding", "attention", "mlp", "lm_head", "sampling", "overhead")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepTimer:
+    """A context-manager factory that adds each named block's wall time to a total."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.totals = device, defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        _sync(self.device)
+        t = time.perf_counter()
+        yield
+        _sync(self.device)
+        self.totals[name] += time.perf_counter() - t
+
+
+# --8<-- [start:limits]
+def machine_limits(device: torch.device, repeats: int = 3) -> tuple[float, float]:
+    """(memory read bandwidth in bytes/s, float32 matmul speed in FLOP/s), best of `repeats`."""
+    big = torch.ones(64 << 20, device=device)             # 256 MB: far beyond any cache
+    a = torch.randn(2048, 2048, device=device)
+    best_read, best_mm = float("inf"), float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        big.sum()
+        _sync(device)
+        best_read = min(best_read, time.perf_counter() - t)
+        t = time.perf_counter()
+        a @ a
+        _sync(device)
+        best_mm = min(best_mm, time.perf_counter() - t)
+    return big.numel() * big.element_size() / best_read, 2 * 2048 ** 3 / best_mm
+# --8<-- [end:limits]
+
+
+@torch.inference_mode()
+def time_steps(engine, batch_size: int, steps: int) -> dict[str, float]:
+    """Mean seconds per decode step spent in each part, over `steps` greedy steps."""
+    m, device = engine.model, engine.device
+    pool = engine04.reference_prompts()
+    prompts = [engine.tokenizer(pool[i % len(pool)]).input_ids for i in range(batch_size)]
+    max_len = max(map(len, prompts)) + steps + 1
+    cache = m.new_cache(batch_size, max_len)
+    rows = list(range(batch_size))
+    logits = m.forward(model10.RaggedBatch.build(prompts, rows, [0] * batch_size, max_len, device), cache)
+    cached = [len(p) for p in prompts]
+    timer, total = StepTimer(device), 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        with timer("sampling"):
+            tokens = logits.argmax(-1).tolist()
+        batch = model10.RaggedBatch.build([[tok] for tok in tokens], rows, cached, max_len, device)
+        logits = m.forward(batch, cache, timer=timer)
+        _sync(device)
+        total += time.perf_counter() - t
+        cached = [n + 1 for n in cached]
+    parts = {name: timer.totals[name] / steps for name in PARTS[:-1]}
+    parts["overhead"] = max(0.0, total / steps - sum(parts.values()))
+    parts["total"] = total / steps
+    return parts
+
+
+# --8<-- [start:profile]
+def profile_decode(engine, batch_sizes=(1, 32), steps: int = 16) -> dict:
+    """Per-part step times at each batch size, and the floors the machine allows."""
+    m = engine.model
+    time_steps(engine, 1, 2)                                  # warm-up: first calls allocate
+    bandwidth, flops = machine_limits(engine.device)
+    matmul_params = m.num_parameters - m.config.vocab_size * m.config.hidden_size * (
+        0 if m.config.tie_word_embeddings else 1)            # the embedding lookup is not a matmul
+    table = {"bandwidth": bandwidth, "flops": flops, "weight_bytes": m.weight_bytes, "rows": {}}
+    for b in batch_sizes:
+        parts = time_steps(engine, b, steps)
+        parts["floor_bandwidth"] = m.weight_bytes / bandwidth  # every weight read once per step
+        parts["floor_flops"] = 2 * matmul_params * b / flops   # one multiply-add per weight per row
+        table["rows"][b] = parts
+    return table
+# --8<-- [end:profile]
+
+
+def print_profile(table: dict) -> None:
+    sizes = list(table["rows"])
+    print(f"\n[Profile of one decode step]  memory read {table['bandwidth'] / 1e9:.1f} GB/s, "
+          f"float32 matmul {table['flops'] / 1e9:.0f} GFLOP/s (measured here)")
+    print(f"  {'part':<12}" + "".join(f"{f'batch {b} ms':>14}{'share':>7}" for b in sizes))
+    for part in PARTS + ("total",):
+        cells = "".join(f"{table['rows'][b][part] * 1e3:>14.2f}{table['rows'][b][part] / table['rows'][b]['total']:>7.0%}"
+                        for b in sizes)
+        print(f"  {part:<12}{cells}")
+    for b in sizes:
+        r = table["rows"][b]
+        bound = max(r["floor_bandwidth"], r["floor_flops"])
+        print(f"  batch {b:>2}: {b / r['total']:7.1f} tokens/s; floors: weights/bandwidth "
+              f"{r['floor_bandwidth'] * 1e3:.2f} ms, FLOPs/matmul speed {r['floor_flops'] * 1e3:.2f} ms "
+              f"-> the step runs at {bound / r['total']:.0%} of the tighter floor")
+
+
+def plot_profile(table: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(table["rows"])
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6))
+    for ax, b in zip(axes if len(sizes) > 1 else [axes], sizes):
+        r = table["rows"][b]
+        ax.barh(PARTS[::-1], [r[p] * 1e3 for p in PARTS[::-1]], color="#4c6ef5")
+        ax.axvline(r["floor_bandwidth"] * 1e3, color="#e8590c", ls="--", label="weights / bandwidth")
+        ax.axvline(r["floor_flops"] * 1e3, color="#2b8a3e", ls=":", label="FLOPs / matmul speed")
+        ax.set(title=f"batch {b}: {r['total'] * 1e3:.1f} ms per step", xlabel="ms per decode step")
+        ax.legend(loc="lower right", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"[plot] {path}")
