@@ -1,0 +1,183 @@
+"""Chapter 6: our Llama against HF's, logits and tokens, on the tiny model and the real one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import load_script
+
+model10 = load_script("10_model")
+engine10 = load_script("10_model_engine")
+decode_loop = load_script("07_decode_loop")
+SamplingParams = load_script("03_contracts").SamplingParams
+
+
+def hf_logits(folder, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def ours_step_by_step(model, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """Prefill the first n_prompt ids, then feed the rest one decode step at a time."""
+    cache = model.new_cache(1, len(ids))
+    out = [model.forward(model10.RaggedBatch.build([ids[:n_prompt]], [0], [0], len(ids)), cache, all_logits=True)]
+    for t in range(n_prompt, len(ids)):
+        out.append(model.forward(model10.RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_variant_dir(tmp_path_factory, default_model_dir):
+    """A tiny Llama with an untied LM head and Llama-3 rope scaling: the other code paths."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=False, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    torch.manual_seed(1)
+    out = tmp_path_factory.mktemp("tiny-llama3")
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("which", ["tiny_model_dir", "tiny_variant_dir"])
+def test_logits_match_hf_prefill_and_every_decode_step(which, request):
+    folder = request.getfixturevalue(which)
+    ids = list(range(5, 205, 7))                       # 29 tokens: 20 prefilled, 9 decoded
+    model = model10.LlamaModel.from_folder(folder)
+    diff = (ours_step_by_step(model, ids, 20) - hf_logits(folder, ids)).abs().max().item()
+    assert diff <= 1e-4
+
+
+@pytest.mark.real_model
+def test_real_model_logits_match_hf(default_model_dir):
+    ids = list(range(100, 1100, 40))                  # 25 tokens: 17 prefilled, 8 decoded
+    model = model10.LlamaModel.from_folder(default_model_dir)
+    diff = (ours_step_by_step(model, ids, 17) - hf_logits(default_model_dir, ids)).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_ragged_batch_equals_each_sequence_alone(tiny_model_dir):
+    model = model10.LlamaModel.from_folder(tiny_model_dir)
+    a, b, c = list(range(10, 40)), list(range(50, 57)), list(range(70, 71))
+    alone = [ours_step_by_step(model, s, len(s))[-1] for s in (a, b, c)]
+    # Mixed batch: a is mid-prefill (its first 12 tokens cached), b decodes its last
+    # token, c is a fresh one-token prefill, all in one forward, rows out of order.
+    cache = model.new_cache(3, 64)
+    model.forward(model10.RaggedBatch.build([a[:12]], [2], [0], 64), cache)
+    model.forward(model10.RaggedBatch.build([b[:-1]], [0], [0], 64), cache)
+    mixed = model.forward(model10.RaggedBatch.build([a[12:], b[-1:], c], [2, 0, 1], [12, len(b) - 1, 0], 64), cache)
+    for got, want in zip(mixed, alone):
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_kv_cache_bytes_match_the_formula(tiny_model_dir):
+    model = model10.LlamaModel.from_folder(tiny_model_dir)
+    c = model.config
+    assert c.kv_bytes_per_token(torch.float32) == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert model.new_cache(3, 10).nbytes == 30 * c.kv_bytes_per_token(torch.float32)
+
+
+def broken_copy(src, tmp_path, edit_config=None, edit_tensors=None):
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    if edit_config:
+        raw = json.loads((dst / "config.json").read_text())
+        edit_config(raw)
+        (dst / "config.json").write_text(json.dumps(raw))
+    if edit_tensors:
+        tensors = load_file(dst / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_unknown_model_type_is_refused(tiny_model_dir, tmp_path):
+    folder = broken_copy(tiny_model_dir, tmp_path, edit_config=lambda c: c.update(model_type="mamba"))
+    with pytest.raises(ValueError, match="model_type 'mamba' is not implemented"):
+        model10.LlamaModel.from_folder(folder)
+
+
+def test_missing_tensor_is_refused(tiny_model_dir, tmp_path):
+    folder = broken_copy(tiny_model_dir, tmp_path,
+                         edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*missing"):
+        model10.LlamaModel.from_folder(folder)
+
+
+def test_wrong_shape_is_refused(tiny_model_dir, tmp_path):
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
+    folder = broken_copy(tiny_model_dir, tmp_path, edit_tensors=shrink)
+    with pytest.raises(ValueError, match="k_proj.weight' has shape"):
+        model10.LlamaModel.from_folder(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_engine(tiny_model_dir):
+    return engine10.ModelEngine(str(tiny_model_dir), device="cpu")
+
+
+def test_greedy_equals_baseline_on_reference_prompts(tiny_model_engine, tiny_engine, reference_prompts):
+    for prompt in reference_prompts:
+        assert tiny_model_engine.generate(prompt, 12).output_ids == tiny_engine.generate(prompt, 12).output_ids
+
+
+def test_generate_batch_is_a_real_batch_with_the_same_answers(tiny_model_engine, tiny_engine, reference_prompts):
+    params = SamplingParams(stop=("the",))
+    batch = tiny_model_engine.generate_batch(reference_prompts, 10, params)
+    for prompt, got in zip(reference_prompts, batch):
+        want = tiny_engine.generate(prompt, 10, params)
+        assert (got.output_ids, got.text, got.finish_reason) == (want.output_ids, want.text, want.finish_reason)
+        assert got.metrics.ttft_ms is not None
+
+
+def test_seeded_sampling_equals_decode_loop_engine(tiny_model_engine, tiny_model_dir, reference_prompts):
+    loop = decode_loop.DecodeLoopEngine(str(tiny_model_dir), device="cpu")
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    for prompt in reference_prompts[:3]:
+        ours = tiny_model_engine.generate(prompt, 10, params).output_ids
+        assert ours == loop.generate(prompt, 10, params).output_ids
+        assert ours == tiny_model_engine.generate(prompt, 10, params).output_ids   # reproducible
+
+
+def test_stream_pieces_add_up_to_the_result(tiny_model_engine, reference_prompts):
+    *pieces, result = tiny_model_engine.generate_stream(reference_prompts[0], 16)
+    assert "".join(pieces) == result.text and result.metrics.output_tokens == len(result.output_ids)
+
+
+def test_bad_input_is_a_value_error(tiny_model_engine):
+    with pytest.raises(ValueError, match="maximum context length"):
+        tiny_model_engine.generate("hello " * 600, 8)
+    with pytest.raises(ValueError, match="prompts must be a list"):
+        tiny_model_engine.generate_batch("hello", 8)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        engine10.ModelEngine(None, max_batch_size=0)
+
+
+def test_engine_spec_loads_through_10_model(engine_mod, tiny_model_dir):
+    engine = engine_mod.load_engine("10_model:ModelEngine", str(tiny_model_dir), device="cpu")
+    assert isinstance(engine, engine10.ModelEngine)
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_equals_baseline(real_engine, default_model_dir, reference_prompts):
+    ours = engine10.ModelEngine(str(default_model_dir), device="cpu")
+    batch = ours.generate_batch(reference_prompts, 24)
+    for prompt, got in zip(reference_prompts, batch):
+        want = real_engine.generate(prompt, 24)
+        assert got.output_ids == want.output_ids
+        assert ours.generate(prompt, 24).output_ids == want.output_ids
