@@ -10,10 +10,17 @@ and a benchmark can add up.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length"]
+
+# Every size a client controls is capped. Four stop strings is OpenAI's limit; the length
+# cap keeps the per-token check for "could this tail grow into a stop string?" cheap.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
 
 
 # --8<-- [start:sampling-params]
@@ -33,6 +40,9 @@ class SamplingParams:
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("temperature", "top_p"):   # NaN slips past every comparison below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -41,8 +51,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer (between -2**63 and 2**64 - 1), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters, "
+                             f"got one of {max(len(s) for s in self.stop)}")
 
     @property
     def is_greedy(self) -> bool:
@@ -96,7 +113,8 @@ def main() -> None:
     print("\n[SamplingParams(temperature=0.8, top_p=0.95, seed=7)]")
     print(f"  is_greedy = {SamplingParams(temperature=0.8, top_p=0.95, seed=7).is_greedy}")
     print("\n[bad values are refused at construction]")
-    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -3}, {"max_tokens": 0}):
+    for bad in ({"temperature": -1.0}, {"temperature": float("inf")}, {"top_p": 0.0}, {"top_p": 1.5},
+                {"top_k": -3}, {"max_tokens": 0}, {"seed": 2**70}):
         try:
             SamplingParams(**bad)
         except ValueError as exc:

@@ -121,6 +121,22 @@ class _CancelCriteria(StoppingCriteria):
                           device=input_ids.device)
 
 
+class _StopTextCriteria(StoppingCriteria):
+    """Ends HF's loop once our detokenizer has seen a stop string (one request, batch of one).
+
+    HF's own stop_strings builds and caches tables that grow with each string; the
+    detokenizer the streaming path already uses costs nothing that outlives the request.
+    """
+
+    def __init__(self, detok: IncrementalDetokenizer, n_prompt: int):
+        self.detok, self.n_prompt = detok, n_prompt
+
+    def __call__(self, input_ids, scores, **kwargs):
+        for token_id in input_ids[0, self.n_prompt + len(self.detok.ids):].tolist():
+            self.detok.add(token_id)
+        return torch.full((input_ids.shape[0],), self.detok.stopped, dtype=torch.bool, device=input_ids.device)
+
+
 class BaselineEngine(BaseOfflineEngine):
     """Chapter 1: HuggingFace's generate() behind our interface. A black box, but correct."""
 
@@ -167,7 +183,6 @@ class BaselineEngine(BaseOfflineEngine):
             bos_token_id=base.bos_token_id,
             pad_token_id=base.pad_token_id if base.pad_token_id is not None else self.tokenizer.eos_token_id,
             eos_token_id=[] if params.ignore_eos else sorted(self.eos_token_ids),  # [] = never stop on EOS
-            stop_strings=list(params.stop) or None,
         )
         if params.is_greedy:
             config.do_sample = False
@@ -213,6 +228,7 @@ class BaselineEngine(BaseOfflineEngine):
         if params.seed is not None:
             torch.manual_seed(params.seed)           # HF samples from torch's global generator
 
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         t0 = time.perf_counter()
         with torch.no_grad():                        # inference: no autograd graph to build
             # Chapter 2 replaces this call with our own token-by-token loop.
@@ -220,12 +236,13 @@ class BaselineEngine(BaseOfflineEngine):
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=self._generation_config(params, max_new_tokens),
-                tokenizer=self.tokenizer,
+                stopping_criteria=StoppingCriteriaList(
+                    [_StopTextCriteria(detok, input_ids.shape[1])] if params.stop else []),
             )
         elapsed_s = time.perf_counter() - t0
 
         new_ids = output_ids[0, input_ids.shape[1]:].tolist()   # drop the prompt
-        return self.finish(new_ids, params, input_ids.shape[1], elapsed_s)
+        return self.finish(new_ids, params, input_ids.shape[1], elapsed_s, detok if params.stop else None)
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
@@ -246,7 +263,7 @@ class BaselineEngine(BaseOfflineEngine):
         input_ids = self.encode(prompt, max_new_tokens)
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        streamer, cancel = _TokenQueueStreamer(), threading.Event()
+        streamer, cancel, failure = _TokenQueueStreamer(), threading.Event(), []
 
         def run() -> None:
             try:
@@ -254,8 +271,9 @@ class BaselineEngine(BaseOfflineEngine):
                     self.model.generate(
                         input_ids, attention_mask=torch.ones_like(input_ids),
                         generation_config=self._generation_config(params, max_new_tokens),
-                        tokenizer=self.tokenizer, streamer=streamer,
-                        stopping_criteria=StoppingCriteriaList([_CancelCriteria(cancel)]))
+                        streamer=streamer, stopping_criteria=StoppingCriteriaList([_CancelCriteria(cancel)]))
+            except Exception as exc:  # handed to the consumer: a failure must not look like a short answer
+                failure.append(exc)
             finally:
                 streamer.end()
 
@@ -275,6 +293,8 @@ class BaselineEngine(BaseOfflineEngine):
         finally:
             cancel.set()
             worker.join()
+        if failure:
+            raise failure[0]
         yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0, detok)
     # --8<-- [end:stream]
 

@@ -24,6 +24,13 @@ def test_defaults_are_greedy():
     ({"top_k": -1}, "top_k"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ("ok", "")}, "stop"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"seed": 2**70}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"stop": ("a", "b", "c", "d", "e")}, "stop"),
+    ({"stop": "x" * (contracts.MAX_STOP_CHARS + 1)}, "stop"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -33,6 +40,7 @@ def test_invalid_values_name_the_field(kwargs, field):
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1)
     SamplingParams(top_p=1e-6)
+    SamplingParams(seed=2**64 - 1, stop=("x" * contracts.MAX_STOP_CHARS,) * contracts.MAX_STOP_STRINGS)
 
 
 def test_stop_accepts_a_single_string_or_a_list():

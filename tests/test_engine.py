@@ -103,6 +103,14 @@ def test_closing_a_stream_early_stops_generation(tiny_engine):
     assert tiny_engine.generate("Hi", 4).metrics.output_tokens <= 4
 
 
+def test_an_error_in_the_stream_worker_reaches_the_consumer(tiny_engine, monkeypatch):
+    def broken_generate(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(tiny_engine.model, "generate", broken_generate)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        list(tiny_engine.generate_stream("Hi", 4))
+
+
 def test_incremental_detokenizer_holds_back_partial_stop_strings(tiny_engine):
     tok = tiny_engine.tokenizer
     detok = engine_mod.IncrementalDetokenizer(tok, stop=["END"])
