@@ -92,6 +92,13 @@ CAPTURES = [
     Capture("09_static_batching", [
         "python 09_static_batching.py --sizes 1 2 4 8 16 --max-new-tokens 16 --plot book/assets/ch5-static-batching.png",
     ], timeout_s=1800),
+    Capture("10_model", ["python 10_model.py --profile --plot book/assets/ch6-profile.png"], timeout_s=1800),
+    Capture("10_vs_baseline", [
+        "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model:ModelEngine"
+        " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos",
+        "python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine --engine 10_model:ModelEngine"
+        " --batch --batch-size 32 --runs 2 --max-new-tokens 32 --ignore-eos",
+    ], timeout_s=1800),
 ]
 
 _LOOPBACK = re.compile(r"127\.0\.0\.1:\d+")   # servers get free ports; the book shows one fixed port
