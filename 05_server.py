@@ -14,7 +14,7 @@ the tokenizer (for the chat template) and, where an engine has it, `generate_str
 Defaults differ from OpenAI's on purpose: `temperature` defaults to 0 (greedy, so the
 same request gives the same answer; OpenAI's default is 1) and `max_tokens` to 128,
 capped by what is left of the context window. Like vLLM we also accept `top_k` and
-`ignore_eos`. The `model` field of a request is accepted and ignored: one server, one model.
+`ignore_eos`. One server, one model: `model` may be omitted or name it; any other is a 404.
 """
 
 from __future__ import annotations
@@ -57,12 +57,18 @@ log = logging.getLogger("05_server")
 # --8<-- [start:request-models]
 class _Strict(BaseModel):
     # strict: "0.7" is not a temperature and true is not a token count; unknown fields are ignored.
-    model_config = ConfigDict(strict=True)
+    # allow_inf_nan=False: Python's JSON reader turns 1e999 and Infinity into inf.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class ContentPart(_Strict):
+    type: str                                 # only "text" is served; others are refused by name
+    text: str | None = None
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer system
+    content: str | list[ContentPart]
 
 
 class StreamOptions(_Strict):
@@ -70,9 +76,9 @@ class StreamOptions(_Strict):
 
 
 class SamplingFields(_Strict):
-    model: str | None = None                  # accepted for compatibility, not used
+    model: str | None = None                  # omitted, or the served model's id
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0)   # 0 = greedy (OpenAI defaults to 1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)   # 0 = greedy (OpenAI: 0 to 2, default 1)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)               # vLLM extension; 0 = off
     seed: int | None = None
@@ -98,13 +104,14 @@ class APIError(Exception):
     """An error the client should see, in OpenAI's JSON shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type_
+        self.code = code or status
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}
+                          "code": self.code}}
 
 
 def from_engine_error(exc: Exception) -> APIError:
@@ -152,6 +159,83 @@ def sampling_params(req: SamplingFields) -> SamplingParams:
         raise APIError(400, str(exc)) from exc
 
 
+MAX_BODY_BYTES = 2 << 20   # 2 MiB: far more text than any context window here holds
+
+
+class BodyLimit:
+    """Refuse a request body over max_bytes with a 413, counting as it arrives, before parsing."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:   # a chunked body that never declared its length
+                raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than {self.max_bytes} bytes"
+
+    async def _refuse(self, scope, receive, send):
+        await JSONResponse(APIError(413, self._message()).body(), status_code=413)(scope, receive, send)
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """OpenAI's message forms as the chat template expects them: text parts joined, developer as system."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if not isinstance(content, str):
+            refused = [p.type for p in content if p.type != "text" or p.text is None]
+            if refused:
+                raise APIError(400, f"messages[{i}].content: only text parts are supported, got {refused[0]!r}",
+                               param="messages")
+            content = "".join(p.text for p in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
+
+async def until_disconnected(request: Request, awaitable):
+    """Await the work, but cancel it (its clean-up frees the engine) if the client hangs up first."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise APIError(499, "the client closed the request")   # nobody reads it; logs see why
+    return work.result()
+
+
 def sse(obj: dict | str) -> str:
     """One Server-Sent Event."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
@@ -164,12 +248,13 @@ def usage(results) -> dict:
 
 
 # --8<-- [start:make-app]
-def make_app(engine, model_name: str | None = None) -> FastAPI:
+def make_app(engine, model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible FastAPI app around any BaseOfflineEngine."""
     model_name = model_name or getattr(engine, "model_name", None) or type(engine).__name__
     context_length = getattr(engine, "context_length", None)
     app = FastAPI(title="llm-engine-companion", version="0.1.0")
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     # --8<-- [end:make-app]
 
     # --8<-- [start:queue-lock]
@@ -198,6 +283,26 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
             return DEFAULT_MAX_TOKENS
         n_prompt = len(engine.tokenizer(prompt).input_ids)  # default: what is left, at most 128
         return max(1, min(DEFAULT_MAX_TOKENS, context_length - n_prompt))
+
+    def check_model(req: SamplingFields) -> None:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
+                           param="model", code="model_not_found")
+
+    async def generate_one(prompt: str, max_tokens: int, params: SamplingParams):
+        """One GenerateResult, taken from the stream so that a hang-up stops it at the next token."""
+        async with lock:
+            produced = run_ahead(pieces(prompt, max_tokens, params))
+            try:
+                async for item in produced:
+                    if not isinstance(item, str):
+                        return item
+                raise RuntimeError("the engine's stream ended without a GenerateResult")
+            except Exception as exc:
+                raise from_engine_error(exc) from exc
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await produced.aclose()
 
     def pieces(prompt: str, max_tokens: int, params: SamplingParams) -> Iterator:
         """Text pieces then the GenerateResult, from generate_stream or, lacking it, generate."""
@@ -278,10 +383,11 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
             lock.release()
 
     async def streaming_response(items: Iterator, chunk: Callable, chat: bool,
-                                 req: SamplingFields) -> StreamingResponse:
+                                 req: SamplingFields, request: Request) -> StreamingResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = event_stream(items, chunk, chat, include_usage)
-        first = await events.__anext__()   # waits for the lock and the first token; 4xx if refused
+        # Waits for the lock and the first token (4xx if refused); a hang-up meanwhile cancels it.
+        first = await until_disconnected(request, events.__anext__())
 
         async def body() -> AsyncIterator[str]:
             yield first
@@ -303,15 +409,21 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
 
     # --8<-- [start:chat-endpoint]
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
-        prompt = engine_lib.render_chat(engine.tokenizer, [m.model_dump() for m in req.messages])
-        max_tokens = token_budget(prompt, req.max_tokens or req.max_completion_tokens)
+    async def chat_completions(req: ChatRequest, request: Request):
+        check_model(req)
+        messages = chat_messages(req.messages)
         params = sampling_params(req)
+
+        def prepare() -> tuple[str, int]:   # template and tokenizer: in a thread, not on the event loop
+            prompt = engine_lib.render_chat(engine.tokenizer, messages)
+            return prompt, token_budget(prompt, req.max_tokens or req.max_completion_tokens)
+
+        prompt, max_tokens = await run_in_threadpool(prepare)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             chunk = chunk_maker("chat.completion.chunk", rid, created, chat=True)
-            return await streaming_response(pieces(prompt, max_tokens, params), chunk, True, req)
-        result = await call_engine(engine.generate, prompt, max_tokens, params)
+            return await streaming_response(pieces(prompt, max_tokens, params), chunk, True, req, request)
+        result = await until_disconnected(request, generate_one(prompt, max_tokens, params))
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -322,20 +434,24 @@ def make_app(engine, model_name: str | None = None) -> FastAPI:
     # --8<-- [end:chat-endpoint]
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         """A raw prompt, no chat template. A list of prompts goes to generate_batch."""
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts or not all(prompts):
             raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
-        max_tokens = min(token_budget(p, req.max_tokens) for p in prompts)
+        check_model(req)
         params = sampling_params(req)
+        max_tokens = await run_in_threadpool(lambda: min(token_budget(p, req.max_tokens) for p in prompts))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             if len(prompts) > 1:
                 raise APIError(400, "streaming takes a single prompt", param="prompt")
             chunk = chunk_maker("text_completion", rid, created, chat=False)
-            return await streaming_response(pieces(prompts[0], max_tokens, params), chunk, False, req)
-        results = await call_engine(engine.generate_batch, prompts, max_tokens, params)
+            return await streaming_response(pieces(prompts[0], max_tokens, params), chunk, False, req, request)
+        if len(prompts) == 1:   # cancellable on a hang-up; a batch runs to its end
+            results = [await until_disconnected(request, generate_one(prompts[0], max_tokens, params))]
+        else:
+            results = await call_engine(engine.generate_batch, prompts, max_tokens, params)
         metrics = [r.metrics.as_dict() for r in results]
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model_name,

@@ -140,7 +140,7 @@ async def measure(url: str, args, prompts: list[dict], bar) -> tuple[list, float
     """Warm up, then run the measured load against one server."""
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout,
                                  limits=httpx.Limits(max_connections=None)) as client:
-        try:  # vLLM checks the model name; ours ignores it
+        try:  # vLLM and ours check the model name
             model_id = (await client.get("/v1/models")).json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             model_id = args.model or setup.DEFAULT_MODEL

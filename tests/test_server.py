@@ -155,6 +155,16 @@ BAD_REQUESTS = [
     ("empty stop string", "/v1/chat/completions", {"messages": HELLO, "stop": ""}, None),
     ("stream not a bool", "/v1/chat/completions", {"messages": HELLO, "stream": "yes"}, "stream"),
     ("body not an object", "/v1/chat/completions", [1, 2], None),
+    ("temperature > 2", "/v1/chat/completions", {"messages": HELLO, "temperature": 2.5}, "temperature"),
+    ("temperature 1e308", "/v1/chat/completions", {"messages": HELLO, "temperature": 1e308}, "temperature"),
+    ("temperature Infinity", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', "temperature"),
+    ("top_p NaN", "/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p"),
+    ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None),
+    ("five stop strings", "/v1/completions", {"prompt": "hi", "stop": list("abcde")}, None),
+    ("a 10,000-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 10_000}, None),
+    ("an image part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ("prompt missing", "/v1/completions", {"max_tokens": 5}, "prompt"),
     ("prompt empty", "/v1/completions", {"prompt": ""}, "prompt"),
     ("prompt list empty", "/v1/completions", {"prompt": []}, "prompt"),
@@ -183,6 +193,38 @@ def test_prompt_longer_than_the_context_is_a_400_naming_both_lengths(client, tin
     message = resp.json()["error"]["message"]
     assert str(tiny_engine.context_length) in message and "in the prompt" in message
     assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_bad_numbers_are_named_clearly(client):
+    seed = client.post("/v1/completions", json={"prompt": "hi", "seed": 2**70}).json()["error"]["message"]
+    stop = client.post("/v1/completions", json={"prompt": "hi", "stop": "x" * 10_000}).json()["error"]["message"]
+    assert "64-bit" in seed and "256 characters" in stop
+
+
+def test_a_body_over_the_cap_is_a_413_before_parsing(tiny_engine):
+    with TestClient(server.make_app(tiny_engine, max_body_bytes=1000)) as c:
+        big = {"messages": [{"role": "user", "content": "hi " * 1000}]}
+        resp = c.post("/v1/chat/completions", json=big)
+        assert resp.status_code == 413 and "1000 bytes" in resp.json()["error"]["message"]
+        chunked = c.post("/v1/chat/completions", content=iter([json.dumps(big).encode()]),
+                         headers={"Content-Type": "application/json"})   # no Content-Length
+        assert chunked.status_code == 413
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_text_parts_developer_role_and_the_model_field(client, tiny_engine):
+    plain = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        "max_tokens": 6}).json()
+    parts = client.post("/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 6,
+        "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                     {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}],
+    }).json()
+    assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert parts["usage"] == plain["usage"]
+    wrong = client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "hi"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(client):
@@ -216,7 +258,10 @@ def test_an_engine_failing_mid_stream_ends_the_stream_with_an_error_event(tiny_e
         events = sse_events(resp.text)
         assert events[0]["choices"][0]["text"] == "partial"
         assert "lost the GPU" in events[1]["error"]["message"] and events[-1] == "[DONE]"
-        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        # A plain request also reads the stream now: the same failure, as a JSON 500, and no hang.
+        again = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert again.status_code == 500 and "lost the GPU" in again.json()["error"]["message"]
+        assert c.get("/health").status_code == 200
 
 
 class EndlessEngine(RecordingEngine):
@@ -227,6 +272,10 @@ class EndlessEngine(RecordingEngine):
         self.closed = threading.Event()
 
     def generate_stream(self, prompt, max_new_tokens, params=None):
+        if max_new_tokens <= 2:   # the short follow-up requests are real ones
+            yield from self.inner.generate_stream(prompt, max_new_tokens, params)
+            return
+        self.closed.clear()
         try:
             while True:
                 time.sleep(0.005)
@@ -235,44 +284,54 @@ class EndlessEngine(RecordingEngine):
             self.closed.set()
 
 
-def test_a_disconnected_stream_closes_the_engine_iterator_and_frees_the_queue(tiny_engine):
+async def asgi_request(app, body: dict, hang_up_after: int | None, hang_up_after_s: float | None = None) -> list:
+    """One POST /v1/completions straight through ASGI; the client hangs up after that many
+    body messages were sent, or that many seconds, or never (None)."""
+    sent, got_body = [], asyncio.Event()
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
+
+    async def receive():
+        if (msg := next(messages, None)) is not None:
+            return msg
+        if hang_up_after_s is not None:
+            await asyncio.sleep(hang_up_after_s)
+        elif hang_up_after is None:
+            await asyncio.Event().wait()   # never hangs up
+        else:
+            await got_body.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if hang_up_after is not None and message["type"] == "http.response.body" and len(sent) > hang_up_after:
+            got_body.set()
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=30)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_closes_the_engine_iterator_and_frees_the_queue(tiny_engine, stream):
     engine = EndlessEngine(tiny_engine)
     app = server.make_app(engine)
 
-    async def request(body: dict, hang_up_after: int | None) -> list:
-        sent, got_body = [], asyncio.Event()
-        raw = json.dumps(body).encode()
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-        messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
-
-        async def receive():
-            if (msg := next(messages, None)) is not None:
-                return msg
-            if hang_up_after is None:
-                await asyncio.Event().wait()   # never hangs up
-            await got_body.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            if hang_up_after is not None and message["type"] == "http.response.body" and len(sent) > hang_up_after:
-                got_body.set()
-
-        await asyncio.wait_for(app(scope, receive, send), timeout=30)
-        return sent
-
     async def scenario():
-        sent = await request({"prompt": "x", "max_tokens": 10, "stream": True}, hang_up_after=3)
-        assert sent[0]["status"] == 200
+        if stream:
+            sent = await asgi_request(app, {"prompt": "x", "max_tokens": 10, "stream": True}, hang_up_after=3)
+            assert sent[0]["status"] == 200
+        else:   # nothing is sent before the answer is ready: the hang-up is seen while waiting
+            await asgi_request(app, {"prompt": "x", "max_tokens": 10}, hang_up_after=None, hang_up_after_s=0.2)
+        assert engine.closed.is_set()
         # The lock was released: a plain request now gets through instead of queueing forever.
-        sent = await request({"prompt": "Hi", "max_tokens": 2}, hang_up_after=None)
+        sent = await asgi_request(app, {"prompt": "Hi", "max_tokens": 2}, hang_up_after=None)
         assert sent[0]["status"] == 200
 
     asyncio.run(scenario())
-    assert engine.closed.is_set()
 
 
 def test_importing_does_not_load_a_model():

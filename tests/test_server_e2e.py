@@ -36,6 +36,11 @@ def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0, timeout=120)
 
 
+def served(client) -> str:
+    """The id the server answers to: OpenAI clients must name it (another is a 404)."""
+    return client.models.list().data[0].id
+
+
 def ask(base_url: str, prompt: str, **extra) -> str:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, **extra}
     resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
@@ -45,7 +50,7 @@ def ask(base_url: str, prompt: str, **extra) -> str:
 
 def test_openai_client_chat_gives_the_engines_answer(client, tiny_engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    reply = client.chat.completions.create(model="any", messages=messages, max_tokens=16)
+    reply = client.chat.completions.create(model=served(client), messages=messages, max_tokens=16)
     expected = tiny_engine.generate(render_chat(tiny_engine.tokenizer, messages), 16)
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content == expected.text
@@ -54,7 +59,7 @@ def test_openai_client_chat_gives_the_engines_answer(client, tiny_engine):
 
 
 def test_openai_client_stream_equals_the_plain_answer(client):
-    kwargs = {"model": "any", "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 20}
+    kwargs = {"model": served(client), "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 20}
     plain = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -64,9 +69,9 @@ def test_openai_client_stream_equals_the_plain_answer(client):
 
 
 def test_openai_client_completions_plain_and_streamed(client, tiny_engine):
-    plain = client.completions.create(model="any", prompt="The weather today", max_tokens=12)
+    plain = client.completions.create(model=served(client), prompt="The weather today", max_tokens=12)
     assert plain.choices[0].text == tiny_engine.generate("The weather today", 12).text
-    streamed = client.completions.create(model="any", prompt="The weather today", max_tokens=12, stream=True)
+    streamed = client.completions.create(model=served(client), prompt="The weather today", max_tokens=12, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
     assert [m.id for m in client.models.list().data] == [str(tiny_engine.model_name)]
 
@@ -76,9 +81,21 @@ def test_errors_over_http_and_the_server_survives(base_url, client):
                      headers={"Content-Type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.chat.completions.create(model="any", max_tokens=8,
+        client.chat.completions.create(model=served(client), max_tokens=8,
                                        messages=[{"role": "user", "content": "word " * 700}])
     assert ask(base_url, "Still there?", max_tokens=2) is not None
+
+
+def test_openai_client_sees_refusals_of_out_of_range_fields(client):
+    hello = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=hello, max_tokens=2)
+    for bad in ({"temperature": 3.0}, {"stop": list("abcde")}, {"seed": 2**70}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=served(client), messages=hello, max_tokens=2, **bad)
+    parts = client.chat.completions.create(model=served(client), max_tokens=4, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert parts.choices[0].message.role == "assistant"
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.95}], ids=["greedy", "seeded"])
