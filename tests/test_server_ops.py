@@ -1,0 +1,180 @@
+"""server_ops.py through 05_server's app: API keys, /metrics, overload 503, request timeout, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO_ROOT, load_script
+
+server = load_script("05_server")
+ops_lib = load_script("server_ops")
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+def metric_values(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_api_key_guards_every_v1_route_and_health_stays_open(tiny_engine):
+    app = server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="s3cret"))
+    routes = [("get", "/v1/models", None),
+              ("post", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2}),
+              ("post", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})]
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        for method, path, body in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = c.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            ok = c.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200, (path, ok.text)
+
+
+def test_openai_client_works_with_api_key(tiny_engine):
+    openai = pytest.importorskip("openai")
+    app = server.make_app(tiny_engine, model_name="tiny", ops=ops_lib.ServerOps(api_key="s3cret"))
+    with TestClient(app) as c:
+        good = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret", http_client=c, max_retries=0)
+        reply = good.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3)
+        assert reply.choices[0].message.content is not None
+        bad = openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=c, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+
+
+def test_metrics_count_exactly_the_tokens_served(tiny_engine):
+    with TestClient(server.make_app(tiny_engine)) as c:
+        replies = [c.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 5}).json(),
+                   c.post("/v1/completions", json={"prompt": ["Hi", "Sea"], "max_tokens": 4}).json()]
+        with c.stream("POST", "/v1/chat/completions",
+                      json={"messages": HELLO, "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        replies.append(next(e for e in events if e.get("usage")))
+        values = metric_values(c.get("/metrics").text)
+    prompt = sum(r["usage"]["prompt_tokens"] for r in replies)
+    generated = sum(r["usage"]["completion_tokens"] for r in replies)
+    assert values[("llm_prompt_tokens_total", ())] == prompt
+    assert values[("llm_generation_tokens_total", ())] == generated
+    assert values[("llm_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 2
+    assert values[("llm_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
+    assert values[("llm_e2e_request_latency_seconds_count", ())] == 3
+    # Non-streamed replies count a TTFT only where the engine measured one.
+    measured = [isinstance(r["metrics"], dict) and r["metrics"].get("ttft_ms") is not None
+                or isinstance(r["metrics"], list) and all(m.get("ttft_ms") is not None for m in r["metrics"])
+                for r in replies[:2]]
+    assert values[("llm_time_to_first_token_seconds_count", ())] == 1 + sum(measured)
+    assert values[("llm_requests_waiting", ())] == 0 and values[("llm_requests_running", ())] == 0
+
+
+class GatedEngine:
+    """An engine whose generate waits until the test opens the gate: a deterministic 'slow' engine."""
+
+    def __init__(self, inner):
+        self.inner, self.tokenizer, self.gate = inner, inner.tokenizer, threading.Event()
+
+    def generate(self, prompt, max_new_tokens, params=None):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner.generate(prompt, max_new_tokens, params)
+
+    def generate_batch(self, prompts, max_new_tokens, params=None):
+        return [self.generate(p, max_new_tokens, params) for p in prompts]
+
+
+def test_max_waiting_answers_503_at_once_and_the_queue_still_serves(tiny_engine):
+    engine, ops = GatedEngine(tiny_engine), ops_lib.ServerOps(max_waiting=2)
+    body = {"messages": HELLO, "max_tokens": 2}
+    with TestClient(server.make_app(engine, ops=ops)) as c:
+        statuses = []
+        threads = [threading.Thread(target=lambda: statuses.append(
+            c.post("/v1/chat/completions", json=body).status_code)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while c.get("/engine/stats").json()["waiting"] < 2:   # one running, two waiting
+            assert time.monotonic() < deadline, c.get("/engine/stats").json()
+            time.sleep(0.02)
+        fourth = c.post("/v1/chat/completions", json=body)   # the gate is still shut: no one finished
+        assert not statuses
+        engine.gate.set()
+        for t in threads:
+            t.join(60)
+    assert fourth.status_code == 503 and fourth.headers["Retry-After"].isdigit()
+    assert fourth.json()["error"]["type"] == "server_error"
+    assert statuses == [200, 200, 200]
+
+
+class EndlessStreamEngine:
+    """Streams a token forever; records whether its iterator was closed (its work freed)."""
+
+    def __init__(self, inner):
+        self.tokenizer, self.closed = inner.tokenizer, threading.Event()
+
+    def generate_stream(self, prompt, max_new_tokens, params=None):
+        try:
+            while True:
+                time.sleep(0.01)
+                yield "tok "
+        finally:
+            self.closed.set()
+
+    def generate(self, *a, **k):
+        raise NotImplementedError
+
+    generate_batch = generate
+
+
+def test_request_timeout_ends_a_stream_with_an_error_and_frees_its_work(tiny_engine):
+    engine = EndlessStreamEngine(tiny_engine)
+    with TestClient(server.make_app(engine, ops=ops_lib.ServerOps(request_timeout=0.5))) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert "request-timeout" in json.loads(events[-2])["error"]["message"]
+        assert events[-1] == "[DONE]"
+        assert engine.closed.wait(10)
+        assert c.get("/engine/stats").json()["running"] == 0
+
+
+def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
+    port = server.free_port()
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "05_server.py"), "--port", str(port),
+                             "--model", str(tiny_model_dir), "--device", "cpu", "--shutdown-grace", "1"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not server._healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.25)
+        body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        proc.send_signal(signal.SIGTERM)
+        last_json = json.loads(events[-2])
+        assert events[-1] == "[DONE]"
+        assert "error" in last_json or last_json["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+        log = proc.stdout.read()
+        assert "/v1/completions 200" in log   # the access line, without the prompt text
+        assert "Once" not in log.split("[server]")[-1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
