@@ -47,6 +47,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 engine_lib = importlib.import_module("04_engine")
+server_ops = importlib.import_module("server_ops")  # keys, metrics, overload, shutdown, the page
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
 
 DEFAULT_ENGINE = "04_engine:BaselineEngine"
@@ -248,7 +249,7 @@ def usage(results) -> dict:
 
 
 # --8<-- [start:make-app]
-def make_app(engine, model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible FastAPI app around any BaseOfflineEngine."""
     model_name = model_name or getattr(engine, "model_name", None) or type(engine).__name__
     context_length = getattr(engine, "context_length", None)
@@ -263,7 +264,8 @@ def make_app(engine, model_name: str | None = None, max_body_bytes: int = MAX_BO
     # for its whole generation, streams included. The blocking engine call runs in a
     # worker thread, so the event loop keeps accepting connections while it waits.
     # Chapter 5's continuous batching replaces this queue with a scheduler.
-    lock = asyncio.Lock()
+    # server_ops wraps it to count waiters for /metrics and the page, and to refuse past --max-waiting.
+    lock = (ops or server_ops.ServerOps()).install(app, engine, APIError)
 
     async def call_engine(fn: Callable, *args):
         async with lock:
@@ -495,7 +497,8 @@ def free_port() -> int:
 # --8<-- [start:subprocess]
 @contextlib.contextmanager
 def serve_in_subprocess(model: str | None = None, engine: str = DEFAULT_ENGINE, device: str | None = None,
-                        startup_timeout_s: float = 180.0, env: dict | None = None) -> Iterator[str]:
+                        startup_timeout_s: float = 180.0, env: dict | None = None,
+                        args: tuple[str, ...] = ()) -> Iterator[str]:
     """Run this server as its own process on a free loopback port; yield its base URL.
 
     Waits until /health answers, and stops the server when the block ends, however it
@@ -503,7 +506,7 @@ def serve_in_subprocess(model: str | None = None, engine: str = DEFAULT_ENGINE, 
     """
     port = free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--host", "127.0.0.1", "--port", str(port),
-           "--engine", engine] + (["--model", model] if model else []) + (["--device", device] if device else [])
+           "--engine", engine] + (["--model", model] if model else []) + (["--device", device] if device else []) + list(args)
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent,
@@ -545,13 +548,13 @@ def main() -> None:
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
                         help="the engine class as module:Class")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    server_ops.add_arguments(parser)
     args = parser.parse_args()
 
-    import uvicorn  # only the command line needs it
-
+    ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
     engine = engine_lib.load_engine(args.engine, args.model, device=args.device)
     print(f"[server] {args.engine} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(make_app(engine), host=args.host, port=args.port)
+    server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":
