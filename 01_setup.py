@@ -208,6 +208,27 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
+# The CPU instructions that decide how fast matrix maths runs on a CPU: AVX2 is the floor
+# for fast float32, AVX-512 widens it, the bf16/VNNI/AMX extensions speed up bf16 and int8.
+CPU_FLAGS = {"avx2": ("avx2",), "avx512f": ("avx512f",), "avx512_bf16": ("avx512_bf16",),
+             "vnni": ("avx512_vnni", "avx_vnni"), "amx": ("amx_tile", "amx_bf16", "amx_int8")}
+
+
+def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool] | None:
+    """Which of CPU_FLAGS this machine has, from /proc/cpuinfo (None where there is none, e.g. macOS)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    return {name: any(f in flags for f in aliases) for name, aliases in CPU_FLAGS.items()}
+
+
 def run_checks(fetch_model: bool = True) -> list[tuple[bool, str, str]]:
     """Each check is (passed, what, hint-if-failed)."""
     checks = []
@@ -230,6 +251,10 @@ def run_checks(fetch_model: bool = True) -> list[tuple[bool, str, str]]:
         checks.append((True, f"torch device: {device.type}, {torch.get_num_threads()} CPU threads", ""))
     except Exception as exc:  # a broken torch install is exactly what this script is for
         checks.append((False, f"torch does not import: {exc}", "make install"))
+    flags = cpu_flags()
+    listed = "unknown (no /proc/cpuinfo)" if flags is None else \
+        ", ".join(f"{name} {'yes' if has else 'no'}" for name, has in flags.items())
+    checks.append((True, f"CPU flags: {listed}", ""))   # informs, never fails: any CPU runs the book
     free_gb = shutil.disk_usage(cache_dir().parent if cache_dir().parent.exists() else Path.home()).free / 1e9
     checks.append((free_gb >= 2, f"free disk {free_gb:.1f} GB at the model cache (need >= 2)",
                    f"free some space or point {CACHE_ENV_VAR} at a larger disk"))

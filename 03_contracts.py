@@ -107,6 +107,9 @@ class GenerateResult:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description="Show SamplingParams' defaults and what bad values do.").parse_args()
     print("[SamplingParams()]")
     params = SamplingParams()
     print(f"  {params}\n  is_greedy = {params.is_greedy}")

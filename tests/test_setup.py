@@ -98,3 +98,18 @@ def test_pick_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             setup.pick_device("cuda")
+
+
+def test_cpu_flags_are_read_from_cpuinfo(setup_mod):
+    info = "processor : 0\nflags : fpu sse2 avx2 avx_vnni amx_tile\n"
+    assert setup_mod.cpu_flags(info) == {"avx2": True, "avx512f": False, "avx512_bf16": False,
+                                         "vnni": True, "amx": True}
+    line = [what for _, what, _ in setup_mod.run_checks(fetch_model=False) if what.startswith("CPU flags")]
+    assert len(line) == 1 and "avx2" in line[0]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in REPO_ROOT.glob("0[1-9]_*.py")))
+def test_every_script_answers_help_without_running(script):
+    run = subprocess.run([sys.executable, script, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage:"), run.stdout[:300] + run.stderr[-300:]
