@@ -263,7 +263,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
     # here: asyncio.Lock wakes its waiters in arrival order (FIFO), and each one holds it
     # for its whole generation, streams included. The blocking engine call runs in a
     # worker thread, so the event loop keeps accepting connections while it waits.
-    # Chapter 5's continuous batching replaces this queue with a scheduler.
+    # A later chapter's continuous batching replaces this queue with a scheduler.
     # server_ops wraps it to count waiters for /metrics and the page, and to refuse past --max-waiting.
     lock = (ops or server_ops.ServerOps()).install(app, engine, APIError)
 

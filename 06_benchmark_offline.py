@@ -66,23 +66,14 @@ class BenchStats:
 
 
 # --8<-- [start:summarize]
-def percentile(values, q: float) -> float:
-    """The q-th percentile, interpolating between the two nearest ranks (numpy's default)."""
-    xs = np.sort(np.asarray(values, dtype=float))
-    if xs.size == 0:
-        raise ValueError("percentile of no values")
-    rank = (xs.size - 1) * q / 100
-    lo = int(np.floor(rank))
-    hi = min(lo + 1, xs.size - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (rank - lo))
-
-
 def summarize(values) -> dict | None:
     """Mean and tail of a distribution; None when nothing was measured (the line is then omitted)."""
     values = [v for v in values if v is not None]
     if not values:
         return None
-    return {"mean": float(np.mean(values)), **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
+    # numpy's default percentile interpolates linearly between the two nearest ranks.
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"mean": float(np.mean(values)), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 def bench_stats(name: str, records: list[RequestRecord], duration_s: float) -> BenchStats:

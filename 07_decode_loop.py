@@ -8,7 +8,7 @@ a loop with two phases, and this script writes it out:
     decode step  feed only the newest token; it attends to the cached keys/values
                  and appends its own, and its logits give the next token
 
-Each step's logits go through Chapter 2's `sample_next_token`; the loop stops on EOS,
+Each step's logits go through Chapter 1's `sample_next_token` (02_sampling.py); the loop stops on EOS,
 on a stop string or at the token budget. Because we own the loop we can finally
 time it: TTFT (time to first token: mostly prefill) and TPOT (time per output token
 after that: the decode pace).
@@ -92,7 +92,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
     # --8<-- [end:decode-step]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token id per row: Chapter 2's sampling, each row with its own generator."""
+        """One token id per row: Chapter 1's sampling, each row with its own generator."""
         if all(s.params.is_greedy for s in seqs):
             return sampling.greedy(logits).tolist()   # one argmax and one device sync for the batch
         return [sampling.sample_next_token(row, s.params, s.generator) for row, s in zip(logits, seqs)]
