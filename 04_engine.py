@@ -335,6 +335,9 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 # --8<-- [end:chat]
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def demo_parser(description: str) -> argparse.ArgumentParser:
     """The command-line flags every engine script shares (later chapters add their own)."""
     parser = argparse.ArgumentParser(description=description)
@@ -347,6 +350,8 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="weights' precision: float32 everywhere; bfloat16/float16 halve memory on a GPU")
     return parser
 
 
@@ -355,7 +360,7 @@ def demo(engine_class: type[BaselineEngine], args: argparse.Namespace):
     """Build the engine, send one request, print [Prompt], [Output] and [Metrics]."""
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        engine = engine_class(args.model, device=args.device)
+        engine = engine_class(args.model, device=args.device, dtype=DTYPES[args.dtype])
         prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
         result = engine.generate(prompt, args.max_new_tokens, params)
     except (ValueError, OSError) as exc:  # bad flags or a model that cannot be found: say so, no traceback

@@ -182,3 +182,13 @@ def test_real_model_runs_on_cpu_in_float32(real_engine):
     assert real_engine.device.type == "cpu"
     assert next(real_engine.model.parameters()).dtype == torch.float32
     assert real_engine.context_length == 8192
+
+
+def test_demo_flags_reach_the_engine_including_dtype(tiny_model_dir, capsys):
+    import torch
+
+    args = engine_mod.demo_parser("test").parse_args(
+        ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "bfloat16", "--max-new-tokens", "2"])
+    engine, _, _ = engine_mod.demo(engine_mod.BaselineEngine, args)
+    assert engine.model.dtype == torch.bfloat16 and "[Output]" in capsys.readouterr().out
+    assert engine_mod.demo_parser("test").parse_args([]).dtype == "float32"
