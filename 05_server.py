@@ -76,7 +76,23 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# OpenAI fields that would change the answer but that these engines do not implement, each
+# with the value that means "not used". Sent with another value they are a 400, not ignored.
+UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
+               "response_format": None, "logprobs": (None, False), "top_logprobs": None, "logit_bias": None,
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1), "echo": (None, False),
+               "suffix": None, "min_p": (None, 0, 0.0), "audio": None, "modalities": None, "prediction": None}
+
+
+def refuse_unsupported(extra: dict) -> None:
+    for name, unused in UNSUPPORTED.items():
+        if name in extra and extra[name] not in (unused if isinstance(unused, tuple) else (unused,)):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+
 class SamplingFields(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # extras checked below
     model: str | None = None                  # omitted, or the served model's id
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)   # 0 = greedy (OpenAI: 0 to 2, default 1)
@@ -287,6 +303,9 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         return max(1, min(DEFAULT_MAX_TOKENS, context_length - n_prompt))
 
     def check_model(req: SamplingFields) -> None:
+        refuse_unsupported(req.model_extra or {})
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
                            param="model", code="model_not_found")

@@ -163,6 +163,14 @@ BAD_REQUESTS = [
     ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None),
     ("five stop strings", "/v1/completions", {"prompt": "hi", "stop": list("abcde")}, None),
     ("a 10,000-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 10_000}, None),
+    ("tools", "/v1/chat/completions", {"messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    ("response_format", "/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("logprobs", "/v1/chat/completions", {"messages": HELLO, "logprobs": True}, "logprobs"),
+    ("presence_penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("logit_bias", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 5}}, "logit_bias"),
+    ("stream_options without stream", "/v1/chat/completions",
+     {"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
     ("an image part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ("prompt missing", "/v1/completions", {"max_tokens": 5}, "prompt"),
@@ -223,6 +231,8 @@ def test_text_parts_developer_role_and_the_model_field(client, tiny_engine):
     }).json()
     assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
     assert parts["usage"] == plain["usage"]
+    unused = {"prompt": "hi", "max_tokens": 2, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0}
+    assert client.post("/v1/completions", json=unused).status_code == 200   # their "off" values are fine
     wrong = client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "hi"})
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
 
