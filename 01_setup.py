@@ -178,7 +178,7 @@ def load_model(name: str | None = None, device=None, dtype=None):
     model = (
         AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=local)
         .to(device)
-        .eval()  # inference mode: no dropout, deterministic forward passes
+        .eval()  # from_pretrained already returns eval mode (dropout off); stated so no loader forgets
     )
     return tokenizer, model
 # --8<-- [end:load]

@@ -230,7 +230,7 @@ class BaselineEngine(BaseOfflineEngine):
 
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         t0 = time.perf_counter()
-        with torch.no_grad():                        # inference: no autograd graph to build
+        with torch.no_grad():                        # generate() is no_grad already; our own loops need it
             # Chapter 2 replaces this call with our own token-by-token loop.
             output_ids = self.model.generate(
                 input_ids,
