@@ -226,7 +226,8 @@ class BaselineEngine(BaseOfflineEngine):
         max_new_tokens = params.token_budget(max_new_tokens)
         input_ids = self.encode(prompt, max_new_tokens)
         if params.seed is not None:
-            torch.manual_seed(params.seed)           # HF samples from torch's global generator
+            torch.manual_seed(params.seed)           # HF samples from torch's global generator: one
+                                                     # request at a time keeps this reproducible
 
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         t0 = time.perf_counter()
