@@ -95,9 +95,9 @@ CAPTURES = [
     Capture("10_model", ["python 10_model.py --profile --plot book/assets/ch6-profile.png"], timeout_s=1800),
     Capture("10_vs_baseline", [
         "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model:ModelEngine"
-        " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos",
+        " --num-prompts 8 --runs 1 --max-new-tokens 32 --ignore-eos",
         "python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine --engine 10_model:ModelEngine"
-        " --batch --batch-size 32 --runs 2 --max-new-tokens 32 --ignore-eos",
+        " --batch --batch-size 32 --runs 1 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=1800),
 ]
 
