@@ -28,6 +28,7 @@ The engine (`ModelEngine`) lives in `10_model_engine.py`, the profiler in `10_pr
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -181,6 +182,29 @@ class RaggedBatch:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         return cls(as_tensor([t for seq in new_tokens for t in seq]), as_tensor(positions),
                    as_tensor(slots), list(rows), list(starts), lengths)
+
+    # What attention needs to know about the layout is the same in every layer: computed once.
+    @functools.cached_property
+    def pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, offset) of every flat token inside the padded [seqs, q_len] rectangle."""
+        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths))
+        offset = torch.cat([torch.arange(n) for n in self.lengths])
+        return seq.to(self.token_ids.device), offset.to(self.token_ids.device)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[seqs, 1, q_len, ctx]: key j is visible to query i of a row iff j <= start + i.
+
+        None when the rectangle is exact (equal starts and lengths): plain or causal attention.
+        """
+        n, q_len = len(self.lengths), max(self.lengths)
+        if len(set(self.lengths)) == 1 and len(set(self.starts)) == 1 and (q_len == 1 or self.starts[0] == 0):
+            return None
+        device = self.token_ids.device
+        ctx = max(s + L for s, L in zip(self.starts, self.lengths))
+        starts = torch.tensor(self.starts, device=device).view(n, 1, 1)
+        q_pos = starts + torch.arange(q_len, device=device).view(1, q_len, 1)
+        return (torch.arange(ctx, device=device).view(1, 1, ctx) <= q_pos).unsqueeze(1)
 # --8<-- [end:batch]
 
 
@@ -287,26 +311,12 @@ class LlamaModel:
             qp = q.view(n, q_len, c.num_heads, c.head_dim)
         else:   # scatter the flat queries into a padded rectangle
             qp = q.new_zeros(n, q_len, c.num_heads, c.head_dim)
-            qp[self._pad_index(batch)] = q
-        # Equal starts and lengths make the rectangle exact: plain (or causal) attention, no mask.
-        mask = None
-        if not (uniform and len(set(batch.starts)) == 1 and (q_len == 1 or batch.starts[0] == 0)):
-            starts = torch.tensor(batch.starts, device=q.device).view(n, 1, 1)
-            q_pos = starts + torch.arange(q_len, device=q.device).view(1, q_len, 1)
-            mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= q_pos).unsqueeze(1)
+            qp[batch.pad_index] = q
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            is_causal=mask is None and q_len > 1, enable_gqa=c.num_kv_heads != c.num_heads)
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.mask,
+            is_causal=batch.mask is None and q_len > 1, enable_gqa=c.num_kv_heads != c.num_heads)
         out = out.transpose(1, 2)                              # [seqs, q_len, heads, head_dim]
-        out = out.reshape(-1, c.num_heads * c.head_dim) if uniform else out[self._pad_index(batch)].flatten(1)
-        return out
-
-    @staticmethod
-    def _pad_index(batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence, offset) of every flat token inside the padded rectangle."""
-        seq = torch.repeat_interleave(torch.arange(len(batch.lengths)), torch.tensor(batch.lengths))
-        offset = torch.cat([torch.arange(n) for n in batch.lengths])
-        return seq.to(batch.token_ids.device), offset.to(batch.token_ids.device)
+        return out.reshape(-1, c.num_heads * c.head_dim) if uniform else out[batch.pad_index].flatten(1)
     # --8<-- [end:attend]
 
     # --8<-- [start:forward]
