@@ -146,10 +146,16 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys and values as [rows, max_len, kv_heads, head_dim]."""
+    def context(self, layer: int, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each batch sequence's cached keys and values up to the longest context:
+        [seqs, ctx, kv_heads, head_dim] (positions past a row's own context are masked later)."""
         shape = (self.rows, self.max_len, *self.k[layer].shape[1:])
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+        k_all, v_all = self.k[layer].view(shape), self.v[layer].view(shape)
+        rows, n, ctx = batch.rows, len(batch.rows), batch.context_len
+        if rows == list(range(rows[0], rows[0] + n)):    # neighbouring rows: a view, no copy
+            return k_all[rows[0]: rows[0] + n, :ctx], v_all[rows[0]: rows[0] + n, :ctx]
+        index = torch.tensor(rows, device=k_all.device)
+        return k_all[index, :ctx], v_all[index, :ctx]
 # --8<-- [end:kv-cache]
 
 
@@ -183,6 +189,11 @@ class RaggedBatch:
         return cls(as_tensor([t for seq in new_tokens for t in seq]), as_tensor(positions),
                    as_tensor(slots), list(rows), list(starts), lengths)
 
+    @property
+    def context_len(self) -> int:
+        """The longest context any sequence attends to after this step."""
+        return max(s + n for s, n in zip(self.starts, self.lengths))
+
     # What attention needs to know about the layout is the same in every layer: computed once.
     @functools.cached_property
     def pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,8 +211,7 @@ class RaggedBatch:
         n, q_len = len(self.lengths), max(self.lengths)
         if len(set(self.lengths)) == 1 and len(set(self.starts)) == 1 and (q_len == 1 or self.starts[0] == 0):
             return None
-        device = self.token_ids.device
-        ctx = max(s + L for s, L in zip(self.starts, self.lengths))
+        device, ctx = self.token_ids.device, self.context_len
         starts = torch.tensor(self.starts, device=device).view(n, 1, 1)
         q_pos = starts + torch.arange(q_len, device=device).view(1, q_len, 1)
         return (torch.arange(ctx, device=device).view(1, 1, ctx) <= q_pos).unsqueeze(1)
@@ -272,6 +282,11 @@ class LlamaModel:
     def num_parameters(self) -> int:
         return sum(t.numel() for t in {t.data_ptr(): t for t in self.w.values()}.values())
 
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ Wᵀ for the weight called `name`: the one place a matmul reads weights
+        (Chapter 12 swaps in quantised weights here)."""
+        return x @ self.w[name].T
+
     def new_cache(self, rows: int, max_len: int) -> KVCache:
         return KVCache(self.config, rows, max_len, self.dtype, self.device)
 
@@ -279,33 +294,26 @@ class LlamaModel:
     def attention(self, i: int, h: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, p = self.config, f"model.layers.{i}."
-        q, k, v = (h @ self.w[p + "qkv"].T).split(
+        q, k, v = self.linear(h, p + "qkv").split(
             [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         cache.k[i].index_copy_(0, batch.slots, k)      # the slot mapping: new K/V into the cache
         cache.v[i].index_copy_(0, batch.slots, v.view(-1, c.num_kv_heads, c.head_dim))
-        out = self.attend(q, *cache.view(i), batch)
-        return out @ self.w[p + "o"].T
+        out = self.attend(q, *cache.context(i, batch), batch)
+        return self.linear(out, p + "o")
     # --8<-- [end:attention]
 
     # --8<-- [start:attend]
-    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                batch: RaggedBatch) -> torch.Tensor:
         """Each sequence's queries against its own cached keys: one SDPA call for the batch.
 
-        Ragged queries are padded to the longest one ([seqs, heads, q_len, head_dim]) and the
-        keys of every row read up to the longest context; a mask hides, per row, keys beyond
+        Ragged queries are padded to the longest one ([seqs, heads, q_len, head_dim]); k and v
+        hold every row's keys up to the longest context, and a mask hides, per row, keys beyond
         that row's causal horizon. Decode-only batches (q_len 1) need no query padding.
         """
-        c, n = self.config, len(batch.lengths)
-        q_len, ctx = max(batch.lengths), max(s + L for s, L in zip(batch.starts, batch.lengths))
-        rows = batch.rows
-        if rows == list(range(rows[0], rows[0] + n)):    # neighbouring rows: a view, no copy
-            k, v = k_all[rows[0]: rows[0] + n, :ctx], v_all[rows[0]: rows[0] + n, :ctx]
-        else:
-            index = torch.tensor(rows, device=q.device)
-            k, v = k_all[index, :ctx], v_all[index, :ctx]
+        c, n, q_len = self.config, len(batch.lengths), max(batch.lengths)
         uniform = len(set(batch.lengths)) == 1
         if uniform:
             qp = q.view(n, q_len, c.num_heads, c.head_dim)
@@ -339,13 +347,13 @@ class LlamaModel:
             with timer("attention"):
                 x = x + self.attention(i, rms_norm(x, w[p + "norm1"], c.rms_norm_eps), batch, cache, cos, sin)
             with timer("mlp"):
-                gate, up = (rms_norm(x, w[p + "norm2"], c.rms_norm_eps) @ w[p + "gate_up"].T).chunk(2, dim=-1)
-                x = x + (F.silu(gate) * up) @ w[p + "down"].T  # SwiGLU: gate and up from one matmul
+                gate, up = self.linear(rms_norm(x, w[p + "norm2"], c.rms_norm_eps), p + "gate_up").chunk(2, dim=-1)
+                x = x + self.linear(F.silu(gate) * up, p + "down")  # SwiGLU: gate and up from one matmul
         with timer("lm_head"):
             if not all_logits:   # only the last token of each sequence predicts what comes next
                 last = torch.tensor(batch.lengths, device=x.device).cumsum(0) - 1
                 x = x[last]
-            return (rms_norm(x, w["norm"], c.rms_norm_eps) @ w["lm_head"].T).float()
+            return self.linear(rms_norm(x, w["norm"], c.rms_norm_eps), "lm_head").float()
     # --8<-- [end:forward]
 
 

@@ -127,20 +127,26 @@ class ModelEngine(decode_loop.DecodeLoopEngine):
         params = params or SamplingParams()
         budget = params.token_budget(max_new_tokens)
         encoded = [self._encode_ids(p, budget) for p in prompts]   # refuse bad input before any work
+        results = []
+        for chunk in self.batch_chunks(encoded, budget):
+            seqs = [self.new_sequence(params, budget, len(ids)) for ids in encoded[chunk]]
+            for _ in self.run(encoded[chunk], seqs):
+                pass
+            results += [self.result(s, t0) for s in seqs]
+        return results
+
+    def batch_chunks(self, encoded: list[list[int]], budget: int) -> Iterator[slice]:
+        """Consecutive prompts whose contiguous KV regions (longest prompt + budget each) fit in kv_memory."""
         per_token = self.model.config.kv_bytes_per_token(self.model.dtype)
-        results, start = [], 0
-        while start < len(encoded):        # chunks whose contiguous KV regions fit in kv_memory
+        start = 0
+        while start < len(encoded):
             end = start + 1
             while (end < len(encoded) and end - start < self.max_batch_size
                    and (end + 1 - start) * (max(map(len, encoded[start:end + 1])) + budget) * per_token
                    <= self.kv_memory):
                 end += 1
-            seqs = [self.new_sequence(params, budget, len(ids)) for ids in encoded[start:end]]
-            for _ in self.run(encoded[start:end], seqs):
-                pass
-            results += [self.result(s, t0) for s in seqs]
+            yield slice(start, end)
             start = end
-        return results
     # --8<-- [end:generate]
 
 

@@ -1,0 +1,275 @@
+"""11_paged_kv.py - Chapter 7: a paged KV cache. Blocks, block tables, slot mapping.
+
+Chapter 6 gave every sequence one contiguous KV region sized for the longest sequence
+it might become. Most of that region is never written: a request that stops after 40
+tokens still holds room for 700. vLLM's PagedAttention borrowed the answer from virtual
+memory:
+
+    KV pool       per layer one preallocated tensor of num_blocks x block_size slots;
+                  its size comes from a memory budget (--kv-memory), not from the requests
+    block table   per sequence, the list of pool blocks holding its tokens, in order;
+                  token t lives in block table[t // block_size] at offset t % block_size
+    block manager a free list and reference counts: a sequence takes one more block only
+                  when its last one is full, and gives every block back when it finishes
+
+Attention writes each new key/value to its slot (block * block_size + offset, Chapter 6's
+slot mapping with pages instead of rows) and reads a sequence's keys through its block
+table. The model's forward is unchanged: it only asks the cache for each sequence's context.
+
+    python 11_paged_kv.py                       # capacity: contiguous vs paged, live block tables
+    python 11_paged_kv.py --plot ch7-paged.png  # the same as a picture for the book
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+model10 = importlib.import_module("10_model")
+engine10 = importlib.import_module("10_model_engine")
+
+DEFAULT_KV_MEMORY = 512 << 20    # bytes for the KV pool: 11,650 tokens of the default model in fp32
+DEFAULT_BLOCK_SIZE = 16          # tokens per block, vLLM's default
+
+
+class PoolFullError(RuntimeError):
+    """The KV pool has no free block: the caller must wait, free, or preempt (Chapter 9)."""
+
+
+# --8<-- [start:pool]
+class KVPool:
+    """Every layer's keys and values, in num_blocks blocks of block_size token slots each.
+
+    Stored flat, [num_blocks * block_size, kv_heads, head_dim] per layer, so the model's
+    one index_copy_ per layer writes new keys into their slots exactly as in Chapter 6.
+    """
+
+    def __init__(self, config: model10.ModelConfig, num_blocks: int, block_size: int,
+                 dtype=torch.float32, device="cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs num_blocks >= 1 and block_size >= 1, "
+                             f"got {num_blocks} x {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # zeros, not empty: a padded block-table entry may be read (then masked), and
+        # uninitialised memory can hold NaN bit patterns, which survive a zero weight.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @classmethod
+    def from_memory(cls, config: model10.ModelConfig, kv_memory: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                    dtype=torch.float32, device="cpu") -> KVPool:
+        """As many blocks as kv_memory bytes buy."""
+        per_block = config.kv_bytes_per_token(dtype) * block_size
+        if kv_memory < per_block:
+            raise ValueError(f"kv_memory {kv_memory:,} bytes is less than one block "
+                             f"({block_size} tokens = {per_block:,} bytes)")
+        return cls(config, kv_memory // per_block, block_size, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def context(self, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's keys and values gathered through its block table: [seqs, ctx, kv_heads, head_dim].
+
+        The gather copies whole blocks (index_select on the block dimension). A GPU paged-
+        attention kernel avoids even that copy by reading the blocks in place.
+        """
+        n, width = batch.block_tables.shape
+        blocks = batch.block_tables.flatten()
+        out = []
+        for flat in (self.k[layer], self.v[layer]):
+            paged = flat.view(self.num_blocks, self.block_size, *flat.shape[1:])
+            gathered = paged.index_select(0, blocks).view(n, width * self.block_size, *flat.shape[1:])
+            out.append(gathered[:, :batch.context_len])
+        return out[0], out[1]
+# --8<-- [end:pool]
+
+
+# --8<-- [start:batch]
+@dataclass
+class PagedBatch(model10.RaggedBatch):
+    """Chapter 6's ragged batch, with slots and context read through block tables."""
+
+    block_tables: torch.Tensor | None = None    # [seqs, blocks covering the longest context]
+
+    @classmethod
+    def from_tables(cls, new_tokens: list[list[int]], tables: list[list[int]], starts: list[int],
+                    block_size: int, device="cpu") -> PagedBatch:
+        lengths = [len(t) for t in new_tokens]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("every sequence in a batch needs at least one new token")
+        needed = [-(-(s + n) // block_size) for s, n in zip(starts, lengths)]   # ceil division
+        if any(k > len(t) for k, t in zip(needed, tables)):
+            raise ValueError("a sequence's new tokens run past the blocks allocated to it")
+        positions = [s + j for s, n in zip(starts, lengths) for j in range(n)]
+        slots = [t[p // block_size] * block_size + p % block_size
+                 for t, s, n in zip(tables, starts, lengths) for p in range(s, s + n)]
+        # Rows shorter than the widest are padded with their own first block: read, then masked.
+        width = max(needed)
+        padded = [t[:k] + [t[0]] * (width - k) for t, k in zip(tables, needed)]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor([t for seq in new_tokens for t in seq]), as_tensor(positions), as_tensor(slots),
+                   list(range(len(lengths))), list(starts), lengths, as_tensor(padded))
+# --8<-- [end:batch]
+
+
+# --8<-- [start:block-manager]
+class BlockManager:
+    """Which pool block belongs to whom. Pure bookkeeping: it never touches a tensor."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks = collections.deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.tables: dict[int, list[int]] = {}      # sequence id -> its blocks, in token order
+        self.lengths: dict[int, int] = {}           # sequence id -> tokens it holds slots for
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def can_allocate(self, num_tokens: int, shared: int = 0) -> bool:
+        """The 'not now' answer: would a sequence of num_tokens (the first `shared` blocks
+        borrowed from another sequence) fit in the free blocks right now?"""
+        return self.blocks_for(num_tokens) - shared <= self.num_free
+
+    def _take(self) -> int:
+        if not self.free_blocks:
+            raise PoolFullError(f"the KV pool is full: all {self.num_blocks} blocks of "
+                                f"{self.block_size} tokens are in use")
+        block = self.free_blocks.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq_id: int, num_tokens: int, shared: list[int] = ()) -> list[int]:
+        """Blocks for a new sequence's first num_tokens tokens. `shared` are full blocks of
+        another sequence holding this one's first tokens (Chapter 8): borrowed, not copied."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if num_tokens < 1 or len(shared) * self.block_size > num_tokens:
+            raise ValueError(f"cannot allocate {num_tokens} tokens with {len(shared)} shared blocks")
+        if not self.can_allocate(num_tokens, len(shared)):
+            raise PoolFullError(f"{self.blocks_for(num_tokens) - len(shared)} blocks needed, "
+                                f"{self.num_free} free of {self.num_blocks}")
+        for block in shared:
+            if self.ref_counts[block] < 1:
+                raise ValueError(f"block {block} is not in use: nothing to share")
+            self.ref_counts[block] += 1
+        table = list(shared) + [self._take() for _ in range(self.blocks_for(num_tokens) - len(shared))]
+        self.tables[seq_id], self.lengths[seq_id] = table, num_tokens
+        return table
+
+    def append_slot(self, seq_id: int) -> int:
+        """Room for one more token; a new block only when the last one is full. Returns its slot."""
+        table, n = self.tables[seq_id], self.lengths[seq_id]
+        if n == len(table) * self.block_size:
+            table.append(self._take())          # PoolFullError leaves the table unchanged
+        self.lengths[seq_id] = n + 1
+        return table[n // self.block_size] * self.block_size + n % self.block_size
+
+    def free(self, seq_id: int) -> None:
+        """Give back a finished (or aborted, or preempted) sequence's blocks; shared ones stay
+        in use until their last owner lets go."""
+        for block in self.tables.pop(seq_id):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)
+        del self.lengths[seq_id]
+# --8<-- [end:block-manager]
+
+
+class PagedEngine(engine10.ModelEngine):
+    """Chapter 6's engine with its KV cache in a fixed pool of blocks."""
+
+    def __init__(self, model_name: str | None = None, device: str | None = None,
+                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32,
+                 kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE):
+        if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {block_size!r}")
+        super().__init__(model_name, device, dtype, max_batch_size, kv_memory)
+        m = self.model
+        self.pool = KVPool.from_memory(m.config, kv_memory, block_size, m.dtype, m.device)
+        self.blocks = BlockManager(self.pool.num_blocks, block_size)
+        self._ids = itertools.count()
+        print(f"[engine] KV pool: {self.pool.num_blocks} blocks x {block_size} tokens = "
+              f"{self.pool.num_blocks * block_size:,} tokens in {self.pool.nbytes / 2**20:.0f} MiB", flush=True)
+
+    def _encode_ids(self, prompt: str, budget: int) -> list[int]:
+        ids = super()._encode_ids(prompt, budget)
+        need = self.blocks.blocks_for(len(ids) + budget)
+        if need > self.blocks.num_blocks:   # could never fit, however long it waited
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({budget}) needs {need} KV blocks; "
+                             f"the pool has {self.blocks.num_blocks}: raise kv_memory or lower max_new_tokens")
+        return ids
+
+    # --8<-- [start:run]
+    def run(self, prompts: list[list[int]], seqs: list) -> collections.abc.Iterator[list[str]]:
+        """Chapter 6's loop; the cache is the pool, and blocks come and go with the tokens."""
+        ids = [next(self._ids) for _ in seqs]
+        tables = [self.blocks.allocate(i, len(p)) for i, p in zip(ids, prompts)]
+        try:
+            batch = PagedBatch.from_tables(prompts, tables, [0] * len(seqs), self.pool.block_size, self.device)
+            logits, live = self.model.forward(batch, self.pool), list(range(len(seqs)))
+            while True:
+                tokens = self.sample(logits, [seqs[i] for i in live])
+                now, pieces = time.perf_counter(), [""] * len(seqs)
+                for i, token in zip(live, tokens):
+                    pieces[i] = self.accept(seqs[i], token, now)
+                    if seqs[i].finish_reason:
+                        self.blocks.free(ids[i])     # finished: its blocks serve others at once
+                yield pieces
+                step = [(i, t) for i, t in zip(live, tokens) if seqs[i].finish_reason is None]
+                if not step:
+                    return
+                live = [i for i, _ in step]
+                starts = [self.blocks.lengths[ids[i]] for i in live]
+                for i in live:
+                    self.blocks.append_slot(ids[i])
+                batch = PagedBatch.from_tables([[t] for _, t in step], [self.blocks.tables[ids[i]] for i in live],
+                                               starts, self.pool.block_size, self.device)
+                logits = self.model.forward(batch, self.pool)
+        finally:   # finished, failed or abandoned by its reader: no block outlives the call
+            for i in ids:
+                if i in self.blocks.tables:
+                    self.blocks.free(i)
+    # --8<-- [end:run]
+
+    # --8<-- [start:chunks]
+    def batch_chunks(self, encoded: list[list[int]], budget: int) -> collections.abc.Iterator[slice]:
+        """Admit prompts while the free blocks can hold each one's own prompt + budget."""
+        start = 0
+        while start < len(encoded):
+            end, need = start, 0
+            while end < len(encoded) and end - start < self.max_batch_size:
+                need += self.blocks.blocks_for(len(encoded[end]) + budget)
+                if need > self.blocks.num_free and end > start:
+                    break
+                end += 1
+            yield slice(start, end)
+            start = end
+    # --8<-- [end:chunks]
+
+    def stats(self) -> dict:
+        """For the server's /engine/stats and /metrics."""
+        return {"kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
+                "kv_blocks_free": self.blocks.num_free}
+
+
+def __getattr__(name: str):
+    if name == "main":   # the demonstration lives next door, to keep this file the chapter's core
+        return importlib.import_module("11_paged_kv_demo").main
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    importlib.import_module("11_paged_kv_demo").main()

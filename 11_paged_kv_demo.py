@@ -1,0 +1,173 @@
+"""11_paged_kv_demo.py - Chapter 7's demonstration: what pages save, and block tables live.
+
+    python 11_paged_kv.py                          # the numbers
+    python 11_paged_kv.py --plot ch7-paged.png     # and the picture
+    python 11_paged_kv.py --kv-memory 64MB --block-size 16
+
+Three ways to hold the KV cache of the committed mixed workload (data/mixed_workload.json),
+for a fixed memory budget:
+
+    max-length regions   every sequence reserves the longest sequence the server accepts
+                         (Chapter 6's contiguous layout, sized for the worst case)
+    per-request regions  every sequence reserves its own prompt + max_tokens
+    pages                every sequence holds ceil(tokens it really has / block_size) blocks
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+import json
+import re
+
+import torch
+
+setup = importlib.import_module("01_setup")
+engine04 = importlib.import_module("04_engine")
+paged = importlib.import_module("11_paged_kv")
+SamplingParams = engine04.SamplingParams
+
+
+def parse_bytes(text: str) -> int:
+    """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (try 512MB or 2GB)")
+    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    if not 1 <= value <= 1 << 40:
+        raise ValueError(f"memory size {text!r} is out of range (1 byte .. 1 TiB)")
+    return int(value)
+
+
+def load_workload() -> dict:
+    return json.loads((setup.REPO_ROOT / "data" / "mixed_workload.json").read_text())
+
+
+# --8<-- [start:capacity]
+def capacity(workload: dict, kv_memory: int, bytes_per_token: int, block_size: int) -> dict:
+    """How many of the workload's sequences (at their full length) fit in kv_memory, three ways."""
+    reqs = workload["requests"]
+    max_len = workload["max_prompt_tokens"] + max(workload["max_tokens_choices"])
+    tokens = [r["prompt_tokens"] + r["output_tokens"] for r in reqs]     # what each really holds
+    reserved = {
+        "max-length regions": [max_len] * len(reqs),
+        "per-request regions": [r["prompt_tokens"] + r["max_tokens"] for r in reqs],
+        f"pages of {block_size}": [-(-t // block_size) * block_size for t in tokens],
+    }
+    budget_tokens = kv_memory // bytes_per_token
+    out = {}
+    for name, slots in reserved.items():
+        fits, used = 0, 0
+        for s in itertools.cycle(slots):     # requests keep arriving in workload order
+            if used + s > budget_tokens:
+                break
+            fits, used = fits + 1, used + s
+        mean_slots = sum(slots) / len(slots)
+        out[name] = {"fits": fits, "slots_per_seq": mean_slots,
+                     "waste": 1 - sum(tokens) / sum(slots)}
+    return out
+# --8<-- [end:capacity]
+
+
+def print_capacity(table: dict, kv_memory: int, bytes_per_token: int) -> None:
+    print(f"\n[Capacity]  {kv_memory / 2**20:.0f} MiB of KV cache = {kv_memory // bytes_per_token:,} tokens "
+          f"at {bytes_per_token:,} bytes/token; mixed workload of data/mixed_workload.json")
+    print(f"  {'layout':<22}{'slots/sequence':>15}{'wasted':>9}{'sequences that fit':>21}")
+    base = next(iter(table.values()))["fits"]
+    for name, row in table.items():
+        print(f"  {name:<22}{row['slots_per_seq']:>15.0f}{row['waste']:>9.0%}{row['fits']:>14}  "
+              f"({row['fits'] / base:.1f}x)")
+
+
+# --8<-- [start:live]
+def live_block_tables(engine, prompts: list[str], steps: int, params: SamplingParams) -> list[tuple]:
+    """Run a batch for `steps` decode steps and return every sequence's (tokens, block table)."""
+    budget = params.token_budget(64)
+    encoded = [engine._encode_ids(p, budget) for p in prompts]
+    seqs = [engine.new_sequence(params, budget, len(ids)) for ids in encoded]
+    loop = engine.run(encoded, seqs)
+    try:
+        for _, _ in zip(range(steps + 1), loop):
+            pass
+        return [(engine.blocks.lengths[i], list(engine.blocks.tables[i]))
+                for i in sorted(engine.blocks.tables)]
+    finally:
+        loop.close()         # frees every block (the finally in run)
+# --8<-- [end:live]
+
+
+def plot(table: dict, workload: dict, bytes_per_token: int, block_size: int,
+         live: list[tuple], num_blocks: int, kv_memory: int, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
+    reqs = workload["requests"]
+    max_len = workload["max_prompt_tokens"] + max(workload["max_tokens_choices"])
+    n = list(range(1, len(reqs) + 1))
+    per_seq = {
+        "max-length regions": [max_len] * len(reqs),
+        "per-request regions": [r["prompt_tokens"] + r["max_tokens"] for r in reqs],
+        f"pages of {block_size}": [-(-(r["prompt_tokens"] + r["output_tokens"]) // block_size) * block_size
+                                   for r in reqs],
+        "tokens actually held": [r["prompt_tokens"] + r["output_tokens"] for r in reqs],
+    }
+    for name, slots in per_seq.items():
+        used = [sum(slots[:k]) * bytes_per_token / 2**20 for k in n]
+        left.plot(n, used, label=name, linestyle=":" if name.startswith("tokens") else "-")
+    left.axhline(kv_memory / 2**20, color="grey", linestyle="--", label=f"pool: {kv_memory / 2**20:.0f} MiB")
+    left.set(xlabel="concurrent requests", ylabel="KV cache reserved (MiB)",
+             title="Memory for the mixed workload")
+    left.legend()
+    left.grid(alpha=0.3)
+    # The first blocks of the pool as a grid, each coloured by the sequence whose table holds it.
+    cols = 8
+    shown = -(-(max(max(t) for _, t in live) + 1) // cols) * cols
+    owner = torch.full((shown,), float("nan"))
+    for s, (_, table_) in enumerate(live):
+        owner[table_] = s
+    right.imshow(owner.view(-1, cols), cmap="tab10", vmin=0, vmax=9)
+    for b in range(shown):
+        label = f"{b}" if owner[b].isnan() else f"{b}\nseq {int(owner[b])}"
+        right.text(b % cols, b // cols, label, ha="center", va="center", fontsize=7)
+    for s, (tokens, table_) in enumerate(live):
+        right.plot([], [], "s", color=plt.cm.tab10(s / 9), label=f"seq {s}: {tokens} tokens -> table {table_}")
+    right.set(title=f"Pool blocks 0-{shown - 1} (of {num_blocks}); blank = free", xticks=[], yticks=[])
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02), fontsize=7, ncol=1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\n[Plot] saved {path}")
+
+
+def main() -> None:
+    parser = engine04.demo_parser("Chapter 7: a paged KV cache.")
+    parser.add_argument("--kv-memory", default="512MB", help="KV pool size (default 512MB)")
+    parser.add_argument("--block-size", type=int, default=paged.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--plot", metavar="PNG", help="save memory-vs-requests and block-table pictures")
+    args = parser.parse_args()
+    try:
+        kv_memory = parse_bytes(args.kv_memory)
+    except ValueError as exc:
+        parser.error(str(exc))
+    engine_class = functools.partial(paged.PagedEngine, kv_memory=kv_memory, block_size=args.block_size)
+    engine, _, _ = engine04.demo(engine_class, args)
+    per_token = engine.model.config.kv_bytes_per_token(engine.model.dtype)
+    workload = load_workload()
+    table = capacity(workload, kv_memory, per_token, args.block_size)
+    print_capacity(table, kv_memory, per_token)
+
+    prompts = engine04.reference_prompts()[:4]
+    live = live_block_tables(engine, prompts, steps=20, params=SamplingParams(ignore_eos=True))
+    print(f"\n[Block tables after prefill + 20 decode steps]  pool of {engine.blocks.num_blocks} blocks "
+          f"x {args.block_size} tokens")
+    for s, (tokens, table_) in enumerate(live):
+        print(f"  seq {s}: {tokens:4d} tokens -> {len(table_)} blocks {table_}")
+    print(f"  after the batch: {engine.blocks.num_free} of {engine.blocks.num_blocks} blocks free")
+    if args.plot:
+        plot(table, workload, per_token, args.block_size, live, engine.blocks.num_blocks, kv_memory, args.plot)
+
+
+if __name__ == "__main__":
+    main()
