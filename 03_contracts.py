@@ -83,6 +83,7 @@ class RequestMetrics:
     output_tokens: int              # tokens generated (== len(GenerateResult.output_ids))
     ttft_ms: float | None = None    # time to first token: prefill plus the first sample
     tpot_ms: float | None = None    # time per output token after the first: the decode pace
+    queue_ms: float | None = None   # arrival -> first scheduled (engines with a scheduler, Chapter 9)
 
     def as_dict(self) -> dict:
         """A JSON-ready dict that leaves out what was not measured (no misleading nulls)."""

@@ -1,0 +1,189 @@
+"""13_continuous_batching.py - Chapter 9: continuous batching. Requests join and leave every step.
+
+Static batching (Chapter 5) takes a batch, runs it until its longest member is done,
+and only then looks at the queue again. A continuous-batching engine looks at the
+queue before *every* step: the scheduler (13_scheduler.py) fills one ragged batch with
+each running request's next token and, while the token budget and the KV pool allow,
+chunks of new prompts. A request that finishes leaves at once; its blocks go to the
+next one in line. The model (Chapter 6) and the paged KV pool (Chapter 7) are reused
+unchanged: one step is one `forward` over whatever the scheduler picked.
+
+    python 13_continuous_batching.py                  # a mixed workload, traced step by step
+    python 13_continuous_batching.py --plot ch9.png   # the schedule as a timeline, vs static batching
+    python 05_server.py --engine 13_continuous_batching:ContinuousBatchingEngine   # live users share steps
+
+For live traffic `submit()` hands a request to a background thread that steps the
+scheduler while there is work; the caller reads text pieces, then the GenerateResult,
+from the request's own queue, and `abort()` frees its blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+engine04 = importlib.import_module("04_engine")
+paged = importlib.import_module("11_paged_kv")
+scheduler13 = importlib.import_module("13_scheduler")
+SamplingParams, GenerateResult = engine04.SamplingParams, engine04.GenerateResult
+Request = scheduler13.Request
+
+
+class ContinuousBatchingEngine(paged.PagedEngine):
+    """Chapter 9: a scheduler picks every step's batch; the same interface as every engine before."""
+
+    def __init__(self, model_name: str | None = None, device: str | None = None,
+                 dtype: torch.dtype = torch.float32, kv_memory: int = paged.DEFAULT_KV_MEMORY,
+                 block_size: int = paged.DEFAULT_BLOCK_SIZE, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 256):
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size)
+        self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.on_step = None                  # the demo's tracer: called with each step's record
+        self.recent_batches: collections.deque = collections.deque(maxlen=64)
+        self._cv, self._inbox, self._aborts = threading.Condition(), [], set()
+        self._thread: threading.Thread | None = None
+        self._by_id: dict[int, Request] = {}
+
+    def new_request(self, prompt: str, max_new_tokens: int, params: SamplingParams | None) -> Request:
+        """Validate and tokenize now, in the caller's thread: a bad request never enters the scheduler."""
+        params = params or SamplingParams()
+        budget = params.token_budget(max_new_tokens)
+        ids = self._encode_ids(prompt, budget)
+        return Request(next(self._ids), ids, self.new_sequence(params, budget, len(ids)))
+
+    # --8<-- [start:step]
+    def step(self) -> list[tuple[Request, str]]:
+        """One scheduler decision, one forward, one token for each request whose known tokens are all
+        computed. Returns (request, new text) for those; finished requests have left the scheduler."""
+        work = self.scheduler.schedule()
+        if not work.requests:
+            return []
+        batch = paged.PagedBatch.from_tables(
+            [r.tokens(s, n) for r, s, n in zip(work.requests, work.starts, work.lengths)],
+            [self.blocks.tables[r.id] for r in work.requests], work.starts, self.pool.block_size, self.device)
+        logits = self.model.forward(batch, self.pool)
+        ready = []
+        for i, (r, n) in enumerate(zip(work.requests, work.lengths)):
+            r.num_computed += n
+            if r.num_computed == r.num_tokens:    # a prefill's middle chunk predicts nothing yet
+                ready.append(i)
+        tokens = self.sample(logits[ready], [work.requests[i].seq for i in ready]) if ready else []
+        now, events = time.perf_counter(), []
+        for i, token in zip(ready, tokens):
+            r = work.requests[i]
+            events.append((r, self.accept(r.seq, token, now)))
+            if r.seq.finish_reason:
+                self.scheduler.finish(r)          # leaves now: its blocks serve the next step
+        self.recent_batches.append(len(work.requests))
+        if self.on_step:
+            self.on_step(work, events)
+        return events
+    # --8<-- [end:step]
+
+    def request_result(self, r: Request) -> GenerateResult:
+        result = self.result(r.seq, r.arrival)
+        result.metrics.queue_ms = ((r.admitted or r.arrival) - r.arrival) * 1e3
+        return result
+
+    # --8<-- [start:loop]
+    def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> Iterator:
+        """Queue one request for the engine loop; iterate the answer: text pieces, then the
+        GenerateResult. Closing the iterator early aborts the request."""
+        r = self.new_request(prompt, max_new_tokens, params)
+        self._hand_over([r])
+        return self._answer(r)
+
+    def _hand_over(self, requests: list[Request]) -> None:
+        """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
+        for r in requests:
+            r.sink = queue.SimpleQueue()
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+                self._thread.start()
+            self._inbox.extend(requests)
+            self._cv.notify()
+
+    def _answer(self, r: Request) -> Iterator:
+        try:
+            while True:
+                kind, value = r.sink.get()
+                if kind == "error":
+                    raise value
+                yield value
+                if kind == "done":
+                    return
+        finally:
+            if r.seq.finish_reason is None:     # the reader left early: free its work
+                self.abort(r.id)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step, waiting or running; its blocks are freed."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
+        while True:
+            with self._cv:
+                while not (self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for r in inbox:
+                try:
+                    self.scheduler.add(r)
+                    self._by_id[r.id] = r
+                except ValueError as exc:
+                    r.sink.put(("error", exc))
+            for rid in aborts:
+                if rid in self._by_id:
+                    self.scheduler.finish(self._by_id.pop(rid))
+            if not self.scheduler.has_work():
+                continue
+            try:
+                events = self.step()
+            except Exception as exc:              # fail what is in flight, never the loop itself
+                for r in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self.scheduler.finish(r)
+                    self._by_id.pop(r.id, None)
+                    r.sink.put(("error", exc))
+                continue
+            for r, piece in events:
+                if piece:
+                    r.sink.put(("piece", piece))
+                if r.seq.finish_reason:
+                    self._by_id.pop(r.id, None)
+                    r.sink.put(("done", self.request_result(r)))
+    # --8<-- [end:loop]
+
+    # --8<-- [start:interface]
+    def generate_stream(self, prompt: str, max_new_tokens: int,
+                        params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
+        yield from self.submit(prompt, max_new_tokens, params)
+
+    def generate_batch(self, prompts: list[str], max_new_tokens: int,
+                       params: SamplingParams | None = None) -> list[GenerateResult]:
+        """Every prompt enters the scheduler at once; each leaves the step it finishes."""
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings")
+        requests = [self.new_request(p, max_new_tokens, params) for p in prompts]   # all checked first
+        self._hand_over(requests)
+        answers = [self._answer(r) for r in requests]
+        return [list(a)[-1] for a in answers]
+    # --8<-- [end:interface]
+
+    def stats(self) -> dict:
+        return {**super().stats(), "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running), "batch_sizes": list(self.recent_batches)}
+
+
+if __name__ == "__main__":
+    importlib.import_module("13_continuous_batching_demo").main()
