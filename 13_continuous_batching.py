@@ -92,12 +92,12 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         return result
 
     # --8<-- [start:loop]
-    def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> Iterator:
+    def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
         """Queue one request for the engine loop; iterate the answer: text pieces, then the
         GenerateResult. Closing the iterator early aborts the request."""
         r = self.new_request(prompt, max_new_tokens, params)
         self._hand_over([r])
-        return self._answer(r)
+        return RequestStream(self, r)
 
     def _hand_over(self, requests: list[Request]) -> None:
         """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
@@ -109,19 +109,6 @@ class ContinuousBatchingEngine(paged.PagedEngine):
                 self._thread.start()
             self._inbox.extend(requests)
             self._cv.notify()
-
-    def _answer(self, r: Request) -> Iterator:
-        try:
-            while True:
-                kind, value = r.sink.get()
-                if kind == "error":
-                    raise value
-                yield value
-                if kind == "done":
-                    return
-        finally:
-            if r.seq.finish_reason is None:     # the reader left early: free its work
-                self.abort(r.id)
 
     def abort(self, request_id: int) -> None:
         """Stop a request at the next step, waiting or running; its blocks are freed."""
@@ -145,7 +132,9 @@ class ContinuousBatchingEngine(paged.PagedEngine):
                     r.sink.put(("error", exc))
             for rid in aborts:
                 if rid in self._by_id:
-                    self.scheduler.finish(self._by_id.pop(rid))
+                    r = self._by_id.pop(rid)
+                    self.scheduler.finish(r)
+                    r.sink.put(("aborted", None))   # wakes a reader blocked on this request
             if not self.scheduler.has_work():
                 continue
             try:
@@ -176,13 +165,46 @@ class ContinuousBatchingEngine(paged.PagedEngine):
             raise ValueError("prompts must be a list of strings")
         requests = [self.new_request(p, max_new_tokens, params) for p in prompts]   # all checked first
         self._hand_over(requests)
-        answers = [self._answer(r) for r in requests]
-        return [list(a)[-1] for a in answers]
+        return [list(RequestStream(self, r))[-1] for r in requests]
     # --8<-- [end:interface]
 
     def stats(self) -> dict:
         return {**super().stats(), "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running), "batch_sizes": list(self.recent_batches)}
+
+
+class RequestStream:
+    """One submitted request, read from any thread: text pieces, then its GenerateResult.
+
+    Not a generator on purpose: close() may be called from another thread while a reader
+    is blocked waiting for the next piece (the server does this when a client hangs up).
+    """
+
+    def __init__(self, engine: ContinuousBatchingEngine, request: Request):
+        self.engine, self.request, self.done = engine, request, False
+        self.request_id = request.id
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> str | GenerateResult:
+        if self.done:
+            raise StopIteration
+        kind, value = self.request.sink.get()
+        if kind in ("done", "error", "aborted"):
+            self.done = True
+        if kind == "error":
+            raise value
+        if kind == "aborted":
+            raise StopIteration
+        return value
+
+    def close(self) -> None:
+        """Abort the request unless it already finished: its blocks are freed at the next step."""
+        if not self.done and self.request.seq.finish_reason is None:
+            self.engine.abort(self.request.id)
+
+    cancel = close
 
 
 if __name__ == "__main__":

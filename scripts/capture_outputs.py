@@ -99,6 +99,10 @@ CAPTURES = [
         "python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine --engine 10_model:ModelEngine"
         " --batch --batch-size 32 --runs 1 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=1800),
+    # Chapter 7 (paged KV cache)
+    # Chapter 8 (prefix caching)
+    # Chapter 9 (continuous batching)
+    # Chapter 12 (quantisation)
 ]
 
 _LOOPBACK = re.compile(r"127\.0\.0\.1:\d+")   # servers get free ports; the book shows one fixed port
