@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +31,7 @@ from tqdm import tqdm
 setup = importlib.import_module("01_setup")
 engine_mod = importlib.import_module("04_engine")
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
+paged_demo = importlib.import_module("11_paged_kv_demo")   # owns data/mixed_workload.json
 PROMPTS_PATH = setup.REPO_ROOT / "data" / "benchmark_prompts.json"
 
 
@@ -103,6 +106,59 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
 def prompt_text(engine, prompt: dict) -> str:
     """What the engine sees: chats go through the model's own chat template."""
     return prompt["text"] if "text" in prompt else engine_mod.render_chat(engine.tokenizer, prompt["messages"])
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of a workload: the text the engine receives and its own token budget."""
+
+    prompt: str
+    max_new_tokens: int
+
+
+# --8<-- [start:mixed-workload]
+def mixed_workload(tokenizer, n: int = 32, seed: int = 0) -> list[WorkItem]:
+    """The first n requests of data/mixed_workload.json as real text with the committed lengths.
+
+    Request i keeps the distribution's prompt_tokens and max_tokens (cycling after 64).
+    Its prompt is ordinary text: the benchmark prompts (data/benchmark_prompts.json) run
+    together from a seeded starting document and cut to exactly prompt_tokens tokens.
+    Prompts are plain text, sent as they are (a completion, no chat template), so the
+    count is the one the engine sees: `len(tokenizer(prompt).input_ids)`. A chat template
+    would add its own system prompt and make the distribution's short prompts impossible.
+    Same tokenizer, n and seed: the same list; another seed changes the text, never the lengths.
+    """
+    if n < 1:
+        raise ValueError(f"a workload needs n >= 1 requests, got {n}")
+    spec = paged_demo.load_workload()["requests"]
+    # Single newlines only: a cut inside a blank line would re-encode as one "\n\n" token.
+    docs = [re.sub(r"\n\s*\n", "\n", p.get("text") or "\n".join(m["content"] for m in p["messages"])).strip()
+            for p in load_prompts()]
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        req, first = spec[i % len(spec)], rng.randrange(len(docs))
+        text = "\n".join(docs[first:] + docs[:first])   # starts at a document's start, wraps round
+        items.append(WorkItem(text_of_length(tokenizer, text, req["prompt_tokens"]), req["max_tokens"]))
+    return items
+
+
+def text_of_length(tokenizer, text: str, n_tokens: int) -> str:
+    """A prefix of text that tokenizes to exactly n_tokens tokens.
+
+    Decoding the first n ids and re-encoding gives n ids back for this corpus and tokenizer
+    (checked for every start and length); where another tokenizer merges differently at
+    the cut, a cut up to three tokens away is tried before giving up."""
+    ids = tokenizer(text).input_ids
+    if n_tokens < 1 or n_tokens > len(ids):
+        raise ValueError(f"cannot cut {n_tokens} tokens from a text of {len(ids)}")
+    cuts = range(max(1, n_tokens - 3), min(len(ids), n_tokens + 3) + 1)
+    for cut in sorted(cuts, key=lambda c: abs(c - n_tokens)):
+        prefix = tokenizer.decode(ids[:cut])
+        if len(tokenizer(prefix).input_ids) == n_tokens:
+            return prefix
+    raise ValueError(f"no prefix of the text tokenizes to exactly {n_tokens} tokens")
+# --8<-- [end:mixed-workload]
 
 
 def record_of(result, latency_s: float) -> RequestRecord:
