@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import queue
 import threading
@@ -316,6 +317,10 @@ def load_engine(spec: str = "04_engine:BaselineEngine", model: str | None = None
         raise ValueError(f"cannot load engine {spec!r}: {exc}") from exc
     if not (isinstance(engine_class, type) and issubclass(engine_class, BaseOfflineEngine)):
         raise ValueError(f"{spec!r} is not a BaseOfflineEngine subclass")
+    try:
+        inspect.signature(engine_class).bind(model, device=device, **kwargs)
+    except TypeError as exc:   # e.g. --kv-memory for an engine without a KV pool
+        raise ValueError(f"{spec} does not take {', '.join(kwargs)}: {exc}") from None
     return engine_class(model, device=device, **kwargs)
 # --8<-- [end:load-engine]
 

@@ -8,8 +8,13 @@ the tokenizer (for the chat template) and, where an engine has it, `generate_str
     python 05_server.py --port 8001                    # Chapter 1's BaselineEngine
     python 05_server.py --port 8001 --engine 04_engine:BaselineEngine --model SmolLM2-135M-Instruct
     ENGINE_CLASS=04_engine:BaselineEngine uvicorn 05_server:app --port 8001
+    python 05_server.py --engine 13_continuous_batching:ContinuousBatchingEngine --kv-memory 512MB --max-num-seqs 32
     curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
+
+Chapter 1's engines answer one request at a time, so the server queues requests behind a
+lock. An engine that offers `submit` (Chapter 9) batches live requests itself: the server
+hands each request straight to its scheduler, and concurrent users share every step.
 
 Defaults differ from OpenAI's on purpose: `temperature` defaults to 0 (greedy, so the
 same request gives the same answer; OpenAI's default is 1) and `max_tokens` to 128,
@@ -279,9 +284,11 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
     # here: asyncio.Lock wakes its waiters in arrival order (FIFO), and each one holds it
     # for its whole generation, streams included. The blocking engine call runs in a
     # worker thread, so the event loop keeps accepting connections while it waits.
-    # A later chapter's continuous batching replaces this queue with a scheduler.
+    # An engine with `submit` (Chapter 9's continuous batching) needs no lock: its own
+    # scheduler queues requests and runs them together, step by step.
     # server_ops wraps it to count waiters for /metrics and the page, and to refuse past --max-waiting.
     lock = (ops or server_ops.ServerOps()).install(app, engine, APIError)
+    batching = callable(getattr(engine, "submit", None))
 
     async def call_engine(fn: Callable, *args):
         async with lock:
@@ -310,10 +317,38 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
                            param="model", code="model_not_found")
 
+    # --8<-- [start:answer]
+    @contextlib.asynccontextmanager
+    async def answer(prompt: str, max_tokens: int, params: SamplingParams) -> AsyncIterator[AsyncIterator]:
+        """The engine's answer, read as it is produced: text pieces, then the GenerateResult.
+
+        While the block is open the request holds its place (the lock, or a seat in the
+        batching engine's scheduler); leaving it early, a hang-up included, frees the work.
+        """
+        async with lock:
+            items = await submit(prompt, max_tokens, params) if batching else pieces(prompt, max_tokens, params)
+            produced = run_ahead(items)
+            try:
+                yield produced
+            finally:
+                with anyio.CancelScope(shield=True):   # a cancellation must not skip the clean-up
+                    await produced.aclose()
+
+    async def submit(prompt: str, max_tokens: int, params: SamplingParams) -> Iterator:
+        """Hand the request to the batching engine (tokenising in a thread). Refused input is a 4xx
+        here, before any work; a caller cancelled meanwhile cancels the request as soon as it exists."""
+        handed = asyncio.ensure_future(run_in_threadpool(engine.submit, prompt, max_tokens, params))
+        try:
+            return await asyncio.shield(handed)
+        except asyncio.CancelledError:
+            handed.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
+            raise
+        except Exception as exc:
+            raise from_engine_error(exc) from exc
+
     async def generate_one(prompt: str, max_tokens: int, params: SamplingParams):
         """One GenerateResult, taken from the stream so that a hang-up stops it at the next token."""
-        async with lock:
-            produced = run_ahead(pieces(prompt, max_tokens, params))
+        async with answer(prompt, max_tokens, params) as produced:
             try:
                 async for item in produced:
                     if not isinstance(item, str):
@@ -321,9 +356,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 raise RuntimeError("the engine's stream ended without a GenerateResult")
             except Exception as exc:
                 raise from_engine_error(exc) from exc
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await produced.aclose()
+    # --8<-- [end:answer]
 
     def pieces(prompt: str, max_tokens: int, params: SamplingParams) -> Iterator:
         """Text pieces then the GenerateResult, from generate_stream or, lacking it, generate."""
@@ -365,15 +398,16 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 yield value
         finally:
             stop.set()
+            cancel = getattr(items, "cancel", None)
+            if cancel is not None:   # a stream that can be stopped from here: do not wait for its next token
+                cancel()
             with anyio.CancelScope(shield=True):   # a cancellation must not skip the clean-up
                 await run_in_threadpool(producer.join)
 
-    async def event_stream(items: Iterator, chunk: Callable[..., dict], chat: bool,
-                           include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: text as the engine produces it, under the lock for the whole stream."""
-        await lock.acquire()
-        produced = run_ahead(items)
-        try:
+    async def event_stream(prompt: str, max_tokens: int, params: SamplingParams, chunk: Callable[..., dict],
+                           chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """SSE events: text as the engine produces it, holding the request's place for the whole stream."""
+        async with answer(prompt, max_tokens, params) as produced:
             try:  # before the first event an error can still be a proper 4xx response
                 item = await anext(produced, None)
             except Exception as exc:
@@ -396,17 +430,11 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             if include_usage:
                 yield sse({**chunk({}), "choices": [], "usage": usage([item])})
             yield sse("[DONE]")
-        finally:
-            # On a disconnect (a cancellation lands here) this stops the producer thread,
-            # which closes the engine's iterator; shielded, so nothing can skip it.
-            with anyio.CancelScope(shield=True):
-                await produced.aclose()
-            lock.release()
 
-    async def streaming_response(items: Iterator, chunk: Callable, chat: bool,
-                                 req: SamplingFields, request: Request) -> StreamingResponse:
+    async def streaming_response(prompt: str, max_tokens: int, params: SamplingParams, chunk: Callable,
+                                 chat: bool, req: SamplingFields, request: Request) -> StreamingResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = event_stream(items, chunk, chat, include_usage)
+        events = event_stream(prompt, max_tokens, params, chunk, chat, include_usage)
         # Waits for the lock and the first token (4xx if refused); a hang-up meanwhile cancels it.
         first = await until_disconnected(request, events.__anext__())
 
@@ -443,7 +471,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             chunk = chunk_maker("chat.completion.chunk", rid, created, chat=True)
-            return await streaming_response(pieces(prompt, max_tokens, params), chunk, True, req, request)
+            return await streaming_response(prompt, max_tokens, params, chunk, True, req, request)
         result = await until_disconnected(request, generate_one(prompt, max_tokens, params))
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -468,10 +496,11 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             if len(prompts) > 1:
                 raise APIError(400, "streaming takes a single prompt", param="prompt")
             chunk = chunk_maker("text_completion", rid, created, chat=False)
-            return await streaming_response(pieces(prompts[0], max_tokens, params), chunk, False, req, request)
-        if len(prompts) == 1:   # cancellable on a hang-up; a batch runs to its end
-            results = [await until_disconnected(request, generate_one(prompts[0], max_tokens, params))]
-        else:
+            return await streaming_response(prompts[0], max_tokens, params, chunk, False, req, request)
+        if len(prompts) == 1 or batching:   # cancellable on a hang-up; a batching engine runs them together
+            results = await until_disconnected(
+                request, asyncio.gather(*(generate_one(p, max_tokens, params) for p in prompts)))
+        else:                   # a lock-holding engine's own generate_batch, run to its end
             results = await call_engine(engine.generate_batch, prompts, max_tokens, params)
         metrics = [r.metrics.as_dict() for r in results]
         return {
@@ -558,6 +587,14 @@ def _healthy(url: str) -> bool:
 # --8<-- [end:subprocess]
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine keywords given on the command line; an engine that does not take one refuses it."""
+    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.kv_memory is not None:   # '512MB' style sizes are Chapter 7's; only parsed when asked for
+        options["kv_memory"] = importlib.import_module("11_paged_kv_demo").parse_bytes(args.kv_memory)
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve an engine over OpenAI's HTTP API.")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes it to the network")
@@ -567,11 +604,18 @@ def main() -> None:
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
                         help="the engine class as module:Class")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    batching = parser.add_argument_group("continuous batching (engines of Chapter 7 on; omitted: their defaults)")
+    batching.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 512MB")
+    batching.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step, at most")
+    batching.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step, at most")
     server_ops.add_arguments(parser)
     args = parser.parse_args()
 
-    ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
-    engine = engine_lib.load_engine(args.engine, args.model, device=args.device)
+    try:
+        ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
+        engine = engine_lib.load_engine(args.engine, args.model, device=args.device, **engine_options(args))
+    except ValueError as exc:
+        parser.error(str(exc))
     print(f"[server] {args.engine} on http://{args.host}:{args.port}/v1", flush=True)
     server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
 

@@ -28,6 +28,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,14 +120,25 @@ class Overloaded(Exception):
 
 
 class AdmissionQueue:
-    """asyncio.Lock (FIFO) that counts who waits and who runs, and refuses past max_waiting."""
+    """asyncio.Lock (FIFO) that counts who waits and who runs, and refuses past max_waiting.
 
-    def __init__(self, max_waiting: int | None, on_queued):
-        self._lock = asyncio.Lock()
-        self.max_waiting, self.on_queued = max_waiting, on_queued
+    An engine that batches live requests itself (Chapter 9's `submit`) gets no lock: every
+    request goes straight to its scheduler, which is where requests wait, so `engine_waiting`
+    (the scheduler's queue length) is what max_waiting bounds.
+    """
+
+    def __init__(self, max_waiting: int | None, on_queued, engine_waiting: Callable[[], int] | None = None):
+        self._lock = None if engine_waiting else asyncio.Lock()
+        self.max_waiting, self.on_queued, self.engine_waiting = max_waiting, on_queued, engine_waiting
         self.waiting = self.running = 0
 
     async def acquire(self) -> None:
+        if self._lock is None:
+            waiting = self.engine_waiting()
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise Overloaded(f"the server is overloaded: {waiting} requests are already waiting")
+            self.running += 1
+            return
         if self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
             raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
         self.waiting += 1
@@ -140,7 +152,8 @@ class AdmissionQueue:
 
     def release(self) -> None:
         self.running -= 1
-        self._lock.release()
+        if self._lock is not None:
+            self._lock.release()
 
     async def __aenter__(self):
         await self.acquire()
@@ -177,7 +190,9 @@ class ServerOps:
     def install(self, app: FastAPI, engine, api_error: type) -> AdmissionQueue:
         """Add the middleware, /metrics, /engine/stats and the page; return the engine's queue."""
         self.engine, self.api_error = engine, api_error
-        self.queue = AdmissionQueue(self.max_waiting, self._queued)
+        batching = callable(getattr(engine, "submit", None))
+        self.queue = AdmissionQueue(self.max_waiting, self._queued,
+                                    (lambda: engine.stats()["waiting"]) if batching else None)
         self.metrics = Metrics(self.snapshot)
         app.add_middleware(_OpsMiddleware, ops=self)
 

@@ -1,0 +1,210 @@
+"""05_server.py in front of Chapter 9's ContinuousBatchingEngine: live requests share steps.
+
+An engine with `submit` gets no server-side lock: every request goes straight into its
+scheduler. These tests check what that must not break: each concurrent answer equals its
+sequential one, a client that leaves frees its KV blocks, many requests leave nothing
+behind, bad input is refused before it reaches the scheduler, and --max-waiting still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import load_script
+from test_server import asgi_request
+
+server = load_script("05_server")
+server_ops = load_script("server_ops")
+cb = load_script("13_continuous_batching")
+engine_lib = load_script("04_engine")
+
+QUESTIONS = ["Hello! Who are you?", "Name three colours.", "What is 2 + 2?", "Write a haiku about tea.",
+             "Why is the sky blue?", "Say hi in French.", "Count to five.", "What is a GPU?"]
+
+
+@pytest.fixture(scope="module")
+def cb_engine(tiny_model_dir):
+    # Small enough that prompts are chunked (64-token budget) and a step carries many sequences.
+    return cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                                       max_num_seqs=16, max_num_batched_tokens=64)
+
+
+def wait_until_idle(engine, timeout_s: float = 10.0) -> None:
+    """The engine loop frees an aborted request's blocks at its next step: give it that step."""
+    deadline = time.monotonic() + timeout_s
+    while engine.scheduler.has_work() or engine.blocks.num_free < engine.blocks.num_blocks:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+
+
+def body_for(i: int) -> tuple[str, dict]:
+    """Request i of a mixed set: chat or completions, streamed or not, different budgets."""
+    if i % 2:
+        return "/v1/completions", {"prompt": QUESTIONS[i % 8] * (1 + i % 3), "max_tokens": 4 + i % 13,
+                                   "ignore_eos": True, "stream": i % 4 == 1}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTIONS[i % 8]}],
+                                    "max_tokens": 6 + i % 11, "ignore_eos": True, "stream": i % 4 == 0}
+
+
+def text_of(path: str, body: dict, response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    if body.get("stream"):
+        events = [e for e in (line[6:] for line in response.text.splitlines() if line.startswith("data: "))]
+        assert events[-1] == "[DONE]"
+        chunks = [httpx.Response(200, content=e).json() for e in events[:-1]]
+        key = "content" if path.endswith("chat/completions") else None
+        return "".join((c["choices"][0]["delta"].get(key, "") if key else c["choices"][0]["text"])
+                       for c in chunks if c["choices"])
+    choice = response.json()["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def test_32_concurrent_requests_equal_their_sequential_answers(cb_engine):
+    app = server.make_app(cb_engine)
+    requests = [body_for(i) for i in range(32)]
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            sequential = [text_of(p, b, await client.post(p, json=b)) for p, b in requests]
+            cb_engine.recent_batches.clear()
+            responses = await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
+            return sequential, [text_of(p, b, r) for (p, b), r in zip(requests, responses)]
+
+    sequential, concurrent = asyncio.run(scenario())
+    assert concurrent == sequential
+    assert max(cb_engine.recent_batches) > 1, "the concurrent requests never shared a step"
+    wait_until_idle(cb_engine)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_frees_all_its_blocks(cb_engine, stream):
+    app = server.make_app(cb_engine)
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+
+    async def scenario():
+        if stream:
+            sent = await asgi_request(app, body, hang_up_after=3)
+            assert sent[0]["status"] == 200
+        else:
+            await asgi_request(app, body, hang_up_after=None, hang_up_after_s=0.3)
+
+    seen = []
+    cb_engine.on_step = lambda work, events: seen.extend(r for r, _ in events)
+    try:
+        asyncio.run(scenario())
+        wait_until_idle(cb_engine)   # raises if the request still holds blocks or sits in a queue
+    finally:
+        cb_engine.on_step = None
+    assert cb_engine._by_id == {}
+    request = seen[-1]
+    assert 0 < len(request.seq.new_ids) < 400, "the request ran on after its client left"
+
+
+def test_200_requests_leave_no_blocks_and_no_requests_behind(cb_engine):
+    with TestClient(server.make_app(cb_engine)) as client:
+        for i in range(200):
+            path, body = body_for(i)
+            body = {**body, "max_tokens": 1 + i % 4}
+            assert client.post(path, json=body).status_code == 200
+    wait_until_idle(cb_engine)
+    assert cb_engine._by_id == {} and not cb_engine._inbox and not cb_engine._aborts
+    gc.collect()
+    # The loop thread's frame may still hold the step it just finished (one request here,
+    # the requests were sequential); nothing accumulates across the 200.
+    alive = [o for o in gc.get_objects() if type(o) is cb.Request]
+    assert len(alive) <= 1, f"{len(alive)} finished requests are still referenced"
+
+
+def test_bad_input_is_refused_before_the_scheduler(cb_engine):
+    with TestClient(server.make_app(cb_engine)) as client:
+        too_long = client.post("/v1/completions", json={"prompt": "word " * 600, "max_tokens": 8})
+        assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+        streamed = client.post("/v1/completions", json={"prompt": "word " * 600, "max_tokens": 8, "stream": True})
+        assert streamed.status_code == 400
+        hot = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "temperature": -1})
+        assert hot.status_code == 400 and hot.json()["error"]["param"] == "temperature"
+        batch = client.post("/v1/completions", json={"prompt": ["Hi", "word " * 600], "max_tokens": 4})
+        assert batch.status_code == 400
+    assert not cb_engine.scheduler.has_work() and cb_engine.blocks.num_free == cb_engine.blocks.num_blocks
+
+
+def test_a_list_of_prompts_runs_together_and_equals_one_by_one(cb_engine):
+    prompts = QUESTIONS[:5]
+    with TestClient(server.make_app(cb_engine)) as client:
+        alone = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 8}).json()["choices"][0]["text"]
+                 for p in prompts]
+        together = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 8}).json()
+    assert [c["text"] for c in together["choices"]] == alone
+    assert [c["index"] for c in together["choices"]] == list(range(5))
+
+
+def test_max_waiting_bounds_the_schedulers_queue(tiny_model_dir):
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                                         max_num_seqs=1, max_num_batched_tokens=64)
+    ops = server_ops.ServerOps(max_waiting=1)
+    busy = [engine.submit("A long one.", 300, engine_lib.SamplingParams(ignore_eos=True)) for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 10
+        while engine.stats()["waiting"] < 1:   # one runs (max_num_seqs=1), the others wait
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with TestClient(server.make_app(engine, ops=ops)) as client:
+            refused = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            stats = client.get("/engine/stats").json()
+            assert stats["waiting"] >= 1 and stats["running"] == 1
+    finally:
+        for stream in busy:
+            stream.close()
+    wait_until_idle(engine)
+
+
+def test_engine_flags_reach_the_engine_and_are_refused_by_others(tiny_model_dir):
+    args = server.argparse.Namespace(kv_memory="2MB", max_num_seqs=4, max_num_batched_tokens=None)
+    options = server.engine_options(args)
+    assert options == {"kv_memory": 2 << 20, "max_num_seqs": 4}
+    engine = engine_lib.load_engine("13_continuous_batching:ContinuousBatchingEngine", str(tiny_model_dir),
+                                    device="cpu", **options)
+    assert engine.scheduler.max_num_seqs == 4 and engine.blocks.num_blocks == (2 << 20) // (512 * 16)
+    with pytest.raises(ValueError, match="does not take kv_memory"):
+        engine_lib.load_engine("04_engine:BaselineEngine", str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
+
+
+@pytest.mark.real_model
+def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, real_engine):
+    """A real uvicorn process with the continuous-batching engine; the official client, 8 at once."""
+    openai = pytest.importorskip("openai")
+    questions = QUESTIONS
+    expected = [real_engine.generate(engine_lib.render_chat(real_engine.tokenizer, [{"role": "user", "content": q}]),
+                                     12).text for q in questions]
+    with server.serve_in_subprocess(model=str(default_model_dir), engine="13_continuous_batching:ContinuousBatchingEngine",
+                                    device="cpu", args=("--kv-memory", "64MB")) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+
+        async def ask(i: int, q: str) -> str:
+            messages = [{"role": "user", "content": q}]
+            if i % 2:
+                stream = await client.chat.completions.create(model=str(default_model_dir), messages=messages,
+                                                              max_tokens=12, stream=True)
+                return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            reply = await client.chat.completions.create(messages=messages, max_tokens=12, model=str(default_model_dir))
+            return reply.choices[0].message.content
+
+        async def everyone():
+            try:
+                return await asyncio.gather(*(ask(i, q) for i, q in enumerate(questions)))
+            finally:
+                await client.close()
+
+        answers = asyncio.run(everyone())
+        stats = httpx.get(f"{url}/engine/stats").json()
+    assert answers == expected
+    assert max(stats["batch_sizes"]) > 1 and stats["kv_blocks_used"] == 0
