@@ -16,12 +16,14 @@ request, and summarise latency as mean and p50/p90/p99: the slow tail is what us
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import random
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,6 +49,7 @@ class RequestRecord:
     tpot_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)  # gaps between streamed tokens (online only)
     error: str | None = None                             # a failed request counts, but not in latencies
+    beyond_budget: int = 0   # static batch: tokens generated past this request's own budget (not counted)
 
 
 @dataclass
@@ -167,12 +170,12 @@ def record_of(result, latency_s: float) -> RequestRecord:
 
 
 # --8<-- [start:measured-loop]
-def run_sequential(engine, texts: list[str], max_new_tokens: int, params, bar) -> tuple[list, float]:
+def run_sequential(engine, items: list[WorkItem], params, bar) -> tuple[list, float]:
     """One request at a time, as a single user would send them. Returns records and total seconds."""
     records, total_s = [], 0.0
-    for text in texts:
+    for item in items:
         t0 = time.perf_counter()
-        result = engine.generate(text, max_new_tokens, params)
+        result = engine.generate(item.prompt, item.max_new_tokens, params)
         elapsed = time.perf_counter() - t0
         records.append(record_of(result, elapsed))
         total_s += elapsed
@@ -180,20 +183,65 @@ def run_sequential(engine, texts: list[str], max_new_tokens: int, params, bar) -
     return records, total_s
 
 
-def run_batched(engine, texts: list[str], max_new_tokens: int, params, bar,
-                batch_size: int | None) -> tuple[list, float]:
-    """generate_batch over chunks; every request in a chunk finishes when the chunk does."""
-    records, total_s, size = [], 0.0, batch_size or len(texts)
-    for i in range(0, len(texts), size):
-        chunk = texts[i: i + size]
+def run_batched(engine, items: list[WorkItem], params, bar, batch_size: int | None) -> tuple[list, float]:
+    """generate_batch over chunks; every request in a chunk finishes when the chunk does.
+
+    A static batch has one budget, its largest request's. A request counts only the tokens
+    its own budget allows: the rest is work it never asked for, paid for in everyone's wait."""
+    records, total_s, size = [], 0.0, batch_size or len(items)
+    for i in range(0, len(items), size):
+        chunk = items[i: i + size]
         t0 = time.perf_counter()
-        results = engine.generate_batch(chunk, max_new_tokens, params)
+        results = engine.generate_batch([w.prompt for w in chunk], max(w.max_new_tokens for w in chunk), params)
         elapsed = time.perf_counter() - t0
-        records += [record_of(r, elapsed) for r in results]
+        for item, result in zip(chunk, results):
+            record = record_of(result, elapsed)
+            record.beyond_budget = max(0, record.output_tokens - item.max_new_tokens)
+            record.output_tokens -= record.beyond_budget
+            records.append(record)
         total_s += elapsed
         bar.update(len(chunk))
     return records, total_s
 # --8<-- [end:measured-loop]
+
+
+# --8<-- [start:all-at-once]
+def run_submitted(engine, items: list[WorkItem], params, bar) -> tuple[list, float]:
+    """Every request handed to the engine loop at once (`engine.submit`), each with its own budget.
+
+    One reader thread per request notes when its result arrives: a request that leaves the
+    batch early is done early. The run lasts until the last one is done."""
+    t0 = time.perf_counter()
+    streams = [engine.submit(w.prompt, w.max_new_tokens, params) for w in items]
+
+    def read(stream) -> RequestRecord:
+        *_, result = stream                  # text pieces, then the GenerateResult
+        record = record_of(result, time.perf_counter() - t0)
+        bar.update(1)
+        return record
+
+    with ThreadPoolExecutor(max_workers=len(streams)) as pool:
+        records = list(pool.map(read, streams))
+    return records, max(r.latency_ms for r in records) / 1000
+# --8<-- [end:all-at-once]
+
+
+def runner_for(engine, spec: str, label: str, args, n: int) -> tuple[str, object]:
+    """How this engine meets the workload: its engine loop if it has one (all requests at once),
+    static batches where --batch names it (or names no engine), otherwise one after another."""
+    if hasattr(engine, "submit"):
+        return "all at once", run_submitted
+    if args.batch is not None and (not args.batch or spec in args.batch or label in args.batch):
+        return f"batch of {min(args.batch_size or n, n)}", functools.partial(run_batched, batch_size=args.batch_size)
+    return "sequential", run_sequential
+
+
+def workload(engine, args) -> list[WorkItem]:
+    """The requests one engine receives: the committed prompts with one budget, or the mixed workload."""
+    if args.workload == "mixed":
+        return mixed_workload(engine.tokenizer, args.num_prompts or 32, args.seed)
+    return [WorkItem(prompt_text(engine, p), args.max_new_tokens)
+            for p in load_prompts(args.prompts, args.num_prompts)]
 
 
 def engine_labels(specs: list[str]) -> list[str]:
@@ -286,13 +334,33 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", action="append", help="module:Class; repeat it to compare engines "
                         "(default: 04_engine:BaselineEngine)")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--workload", choices=("prompts", "mixed"), default="prompts",
+                        help="prompts: the committed prompt set, one budget (--max-new-tokens); mixed: "
+                        "data/mixed_workload.json's prompt lengths and per-request budgets")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="benchmark prompt file")
-    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens (equal work)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts "
+                        "(mixed: N requests, default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="budget of every request "
+                        "(default 32; the mixed workload brings its own)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate the whole budget (equal work)")
+    parser.add_argument("--seed", type=int, default=0, help="which text each mixed prompt gets; online, "
+                        "also the arrival schedule")
     parser.add_argument("--warmup", type=int, default=2, help="requests run first and discarded")
     parser.add_argument("--json", default=None, help="write the full results here")
     parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput here")
+
+
+def check_common(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse flag combinations that would measure something else than asked; fill the defaults."""
+    if args.workload == "mixed" and args.max_new_tokens is not None:
+        parser.error("--workload mixed gives every request its own budget: drop --max-new-tokens")
+    if args.workload == "mixed" and args.prompts != str(PROMPTS_PATH):
+        parser.error("--workload mixed builds its prompts from data/: drop --prompts")
+    if args.max_new_tokens is None and args.workload == "prompts":
+        args.max_new_tokens = 32
+    sizes = [v for v in (args.max_new_tokens, args.runs, args.num_prompts) if v is not None]   # 0 is no default
+    if min(sizes) < 1 or args.warmup < 0:
+        parser.error("--max-new-tokens, --runs and --num-prompts must be >= 1, --warmup >= 0")
 
 
 def save_outputs(args, config: dict, all_stats: list[BenchStats], all_records: list[list], title: str) -> None:
@@ -309,47 +377,59 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Offline benchmark: time engine.generate in-process.")
     common_args(parser)
     parser.add_argument("--runs", type=int, default=2, help="measured passes over the prompt set")
-    parser.add_argument("--batch", action="store_true", help="time generate_batch instead of generate")
+    parser.add_argument("--batch", nargs="*", metavar="ENGINE", default=None,
+                        help="time generate_batch (static batches) instead of generate: for every engine, "
+                        "or only those named (module:Class or Class). Engines with submit() always get "
+                        "every request at once")
     parser.add_argument("--batch-size", type=int, default=None, help="with --batch: chunks of this size")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
-    if min(args.max_new_tokens, args.runs, args.batch_size or 1, args.num_prompts or 1) < 1 or args.warmup < 0:
-        parser.error("--max-new-tokens, --runs, --batch-size and --num-prompts must be >= 1, --warmup >= 0")
+    check_common(parser, args)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
 
     specs = args.engine or ["04_engine:BaselineEngine"]
+    labels = engine_labels(specs)
+    unknown = set(args.batch or ()) - set(specs) - set(labels)
+    if unknown:
+        parser.error(f"--batch names engines not given with --engine: {', '.join(sorted(unknown))}")
     params = SamplingParams(ignore_eos=args.ignore_eos)   # greedy: every engine does the same work
-    prompts = load_prompts(args.prompts, args.num_prompts)
     try:
         engines = [engine_mod.load_engine(spec, args.model, args.device) for spec in specs]  # each loaded once
+        items = [workload(e, args) for e in engines]
     except ValueError as exc:
         parser.error(str(exc))
-    texts = [[prompt_text(e, p) for p in prompts] for e in engines]
-    for engine, engine_texts in zip(engines, texts):
-        warm = (engine_texts * args.warmup)[: args.warmup]
+    runners = [runner_for(e, spec, label, args, len(its)) for e, spec, label, its in zip(engines, specs, labels, items)]
+    for engine, engine_items, (_, run) in zip(engines, items, runners):
+        warm = (engine_items * args.warmup)[: args.warmup]
         if warm:
-            (engine.generate_batch(warm, args.max_new_tokens, params) if args.batch
-             else [engine.generate(t, args.max_new_tokens, params) for t in warm])
+            run(engine, warm, params, tqdm(disable=True))
 
     # --8<-- [start:alternate]
     records, seconds = [[] for _ in engines], [0.0 for _ in engines]
-    with tqdm(total=args.runs * len(engines) * len(prompts), desc="requests", file=sys.stderr,
-              disable=None) as bar:
+    with tqdm(total=args.runs * sum(map(len, items)), desc="requests", file=sys.stderr, disable=None) as bar:
         for _ in range(args.runs):
             # Alternate engines within each repetition so machine noise hits all of them alike.
-            for i, engine in enumerate(engines):
-                if args.batch:
-                    recs, secs = run_batched(engine, texts[i], args.max_new_tokens, params, bar, args.batch_size)
-                else:
-                    recs, secs = run_sequential(engine, texts[i], args.max_new_tokens, params, bar)
+            for i, (engine, (_, run)) in enumerate(zip(engines, runners)):
+                recs, secs = run(engine, items[i], params, bar)
                 records[i] += recs
                 seconds[i] += secs
     # --8<-- [end:alternate]
 
-    all_stats = [bench_stats(label, recs, secs) for label, recs, secs in zip(engine_labels(specs), records, seconds)]
-    mode = f"batch of {args.batch_size or len(prompts)}" if args.batch else "sequential"
-    title = (f"Offline benchmark: {len(prompts)} prompts x {args.runs} runs, {mode}, "
-             f"max_new_tokens={args.max_new_tokens}{', ignore_eos' if args.ignore_eos else ''}")
+    all_stats = [bench_stats(label, recs, secs) for label, recs, secs in zip(labels, records, seconds)]
+    modes = [mode for mode, _ in runners]
+    mode = modes[0] if len(set(modes)) == 1 else ", ".join(f"{lb} {m}" for lb, m in zip(labels, modes))
+    budgets = sorted({w.max_new_tokens for w in items[0]})
+    budget = (f"max_new_tokens={budgets[0]}" if len(budgets) == 1 else
+              f"own budgets {', '.join(map(str, budgets))}")
+    title = (f"Offline benchmark: {len(items[0])} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
+             f" x {args.runs} runs, {mode}, {budget}{', ignore_eos' if args.ignore_eos else ''}")
     print_table(title, all_stats)
+    for stats, recs in zip(all_stats, records):
+        beyond = sum(r.beyond_budget for r in recs)
+        if beyond:
+            print(f"  [{stats.name}] static batches run to their largest budget: {beyond} tokens generated "
+                  f"past their own request's budget were not counted, but every request waited for them")
     config = {**vars(args), "engine": specs, "mode": mode,   # what was really run, for the record
               "model": getattr(engines[0], "model_name", args.model),
               "device": str(getattr(engines[0], "device", ""))}

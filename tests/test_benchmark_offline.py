@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -197,3 +198,163 @@ def test_real_run_writes_json_and_png(tiny_model_dir, tmp_path):
     assert stats["ttft_ms"] is None   # HF generate hides its loop
     assert [r["input_tokens"] for r in entry["requests"]] == [r.input_tokens for r in result["records"][0]]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# --- the mixed workload and how each kind of engine meets it ----------------------------------
+
+class CharTokenizer:
+    """One token per character: token counts become string lengths."""
+
+    def __call__(self, text):
+        return type("Encoded", (), {"input_ids": [ord(c) for c in text]})()
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def committed_requests() -> list[dict]:
+    return load_script("11_paged_kv_demo").load_workload()["requests"]
+
+
+def test_mixed_workload_has_the_committed_token_counts_and_budgets(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)   # the real SmolLM2 tokenizer
+    spec = committed_requests()
+    items = bench.mixed_workload(tokenizer, 70, seed=0)          # 70 > 64: the list cycles
+    wanted = [spec[i % 64] for i in range(70)]
+    assert [len(tokenizer(w.prompt).input_ids) for w in items] == [r["prompt_tokens"] for r in wanted]
+    assert [w.max_new_tokens for w in items] == [r["max_tokens"] for r in wanted]
+    assert len({w.max_new_tokens for w in items}) == 4 and min(r["prompt_tokens"] for r in wanted) < 16
+    assert all(w.prompt.strip() and "\n\n" not in w.prompt for w in items)   # text, not ids
+    assert bench.mixed_workload(tokenizer, 8, seed=0) == items[:8]           # deterministic by seed
+    other = bench.mixed_workload(tokenizer, 8, seed=1)
+    assert [w.prompt for w in other] != [w.prompt for w in items[:8]]
+    assert [len(tokenizer(w.prompt).input_ids) for w in other] == [r["prompt_tokens"] for r in spec[:8]]
+    with pytest.raises(ValueError, match="n >= 1"):
+        bench.mixed_workload(tokenizer, 0)
+
+
+def test_text_of_length_cuts_exactly_or_refuses():
+    assert bench.text_of_length(CharTokenizer(), "hello world", 5) == "hello"
+    with pytest.raises(ValueError, match="cannot cut 12 tokens"):
+        bench.text_of_length(CharTokenizer(), "hello world", 12)
+
+
+class ThreadClock(FakeClock):
+    """A reader thread sees the moment its own request finished; the main thread sees the start."""
+
+    def __init__(self):
+        super().__init__()
+        self.local = threading.local()
+
+    def perf_counter(self) -> float:
+        return getattr(self.local, "now", self.now)
+
+
+class FakeStaticEngine(FakeEngine):
+    """generate_batch runs every row to the batch's budget in one loop: 250 ms per step, any batch size."""
+
+    def generate_batch(self, prompts, max_new_tokens, params=None):
+        self.calls.append(("batch", len(prompts), max_new_tokens))
+        self.clock.now += self.seconds_per_token * max_new_tokens
+        return [contracts.GenerateResult("x", list(range(max_new_tokens)),
+                                         contracts.RequestMetrics(1.0, len(p), max_new_tokens, 10.0, 5.0))
+                for p in prompts]
+
+
+class FakeSubmitEngine(FakeEngine):
+    """An engine loop: every submitted request runs at once and is done after 100 ms per own token."""
+
+    def submit(self, prompt, max_new_tokens, params=None):
+        self.calls.append(("submit", prompt, max_new_tokens))
+        finish, clock = self.clock.now + 0.1 * max_new_tokens, self.clock
+        metrics = contracts.RequestMetrics(1.0, len(prompt), max_new_tokens, 20.0, 3.0)
+
+        def stream():
+            self.calls.append(("read", prompt, max_new_tokens))
+            yield "x"
+            clock.local.now = finish
+            yield contracts.GenerateResult("x" * max_new_tokens, list(range(max_new_tokens)), metrics)
+        return stream()
+
+
+class NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def test_static_batches_wait_for_the_largest_budget_but_count_only_their_own():
+    calls, clock = [], FakeClock()
+    engine = FakeStaticEngine(clock, calls)
+    items = [bench.WorkItem("a", 2), bench.WorkItem("bb", 5), bench.WorkItem("ccc", 3)]
+    saved, bench.time = bench.time, clock
+    try:
+        records, seconds = bench.run_batched(engine, items, None, NoBar(), batch_size=2)
+    finally:
+        bench.time = saved
+    assert calls == [("batch", 2, 5), ("batch", 1, 3)]                      # one budget per batch: its largest
+    assert [r.output_tokens for r in records] == [2, 5, 3]
+    assert [r.beyond_budget for r in records] == [3, 0, 0]
+    assert [r.latency_ms for r in records] == [1250.0, 1250.0, 750.0] and seconds == 2.0   # all wait for 5 steps
+
+
+def test_a_submit_engine_gets_every_request_at_once_with_its_own_budget(monkeypatch):
+    calls, clock = [], ThreadClock()
+    monkeypatch.setattr(bench, "time", clock)
+    items = [bench.WorkItem(p, b) for p, b in (("a", 30), ("bb", 10), ("ccc", 20))]
+    records, seconds = bench.run_submitted(FakeSubmitEngine(clock, calls), items, None, NoBar())
+    assert calls[:3] == [("submit", "a", 30), ("submit", "bb", 10), ("submit", "ccc", 20)]   # before any read
+    assert sorted(calls[3:]) == [("read", "a", 30), ("read", "bb", 10), ("read", "ccc", 20)]
+    assert [r.latency_ms for r in records] == pytest.approx([3000.0, 1000.0, 2000.0])   # each leaves when done
+    assert seconds == pytest.approx(3.0) and [r.output_tokens for r in records] == [30, 10, 20]
+    assert records[0].ttft_ms == 20.0 and records[0].tpot_ms == 3.0                      # the engine's own
+
+
+@pytest.fixture
+def mixed_world(monkeypatch):
+    clock, calls = ThreadClock(), []
+    classes = {"fake:FakeEngine": FakeEngine, "fake:FakeStaticEngine": FakeStaticEngine,
+               "fake:FakeSubmitEngine": FakeSubmitEngine}
+
+    def load(spec, model, device):
+        engine = classes[spec](clock, calls)
+        engine.tokenizer = CharTokenizer()
+        return engine
+    monkeypatch.setattr(bench, "time", clock)
+    monkeypatch.setattr(bench.engine_mod, "load_engine", load)
+    return calls
+
+
+def test_mixed_workload_compares_sequential_static_and_all_at_once(mixed_world, capsys):
+    spec = committed_requests()[:4]                       # budgets 32, 32, 32, 256
+    result = bench.main(["--workload", "mixed", "--num-prompts", "4", "--runs", "1", "--warmup", "0",
+                         "--ignore-eos", "--engine", "fake:FakeEngine", "--engine", "fake:FakeStaticEngine",
+                         "--engine", "fake:FakeSubmitEngine", "--batch", "FakeStaticEngine"])
+    seq, static, submitted = result["stats"]
+    budgets = [r["max_tokens"] for r in spec]
+    for records in result["records"]:
+        assert [r.input_tokens for r in records] == [r["prompt_tokens"] for r in spec]
+    assert seq.output_tokens == static.output_tokens == submitted.output_tokens == sum(budgets) == 352
+    assert seq.duration_s == 0.25 * 352 and static.duration_s == 0.25 * 256
+    assert submitted.duration_s == pytest.approx(0.1 * 256)   # the longest request's own time
+    assert [r.beyond_budget for r in result["records"][1]] == [224, 224, 224, 0]
+    printed = capsys.readouterr().out
+    assert "BaselineEngine" not in printed and "FakeEngine sequential, FakeStaticEngine batch of 4, " \
+        "FakeSubmitEngine all at once, own budgets 32, 256, ignore_eos" in printed
+    assert table_row(printed, "output_tokens/s") == ["4.00", "5.50", "(1.38x)", "13.8", "(3.44x)"]
+    assert "672 tokens generated past their own request's budget were not counted" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "mixed", "--max-new-tokens", "8"], "drop --max-new-tokens"),
+    (["--workload", "mixed", "--prompts", "other.json"], "drop --prompts"),
+    (["--workload", "random"], "invalid choice"),
+    (["--batch", "NoSuchEngine"], "--batch names engines not given with --engine: NoSuchEngine"),
+    (["--batch", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--workload", "mixed", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+])
+def test_bad_flags_are_refused_with_the_reason(argv, message, mixed_world, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--engine", "fake:FakeEngine"] + argv)
+    assert message in capsys.readouterr().err
