@@ -119,6 +119,43 @@ def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
 # --8<-- [end:poisson]
 
 
+# --8<-- [start:goodput]
+def goodput(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float,
+            slo_tpot_ms: float | None = None) -> dict:
+    """The requests that met the service-level objective: how many, their share, their rate.
+
+    Throughput counts every token, however late. Goodput counts only the requests a user
+    would call fast enough: first token within slo_ttft_ms and, when given, the later ones
+    at slo_tpot_ms apart or better on average. A failed request, or one whose TTFT was not
+    measured (no streaming), misses it; a one-token answer has no TPOT to miss."""
+    if duration_s <= 0 or slo_ttft_ms <= 0 or (slo_tpot_ms is not None and slo_tpot_ms <= 0):
+        raise ValueError("duration and SLO limits must be > 0")
+
+    def met(r: RequestRecord) -> bool:
+        return (r.error is None and r.ttft_ms is not None and r.ttft_ms <= slo_ttft_ms
+                and (slo_tpot_ms is None or r.tpot_ms is None or r.tpot_ms <= slo_tpot_ms))
+
+    good = sum(map(met, records))
+    return {"met": good, "sent": len(records), "share": good / len(records) if records else 0.0,
+            "per_s": good / duration_s}
+# --8<-- [end:goodput]
+
+
+def print_goodput(names: list[str], results: list[dict], slo: str) -> None:
+    """The goodput lines under the table, side by side, with the ratio to the first server."""
+    print(f"\n[Goodput: {slo}]")
+    rows = {"met SLO": [f"{g['met']} of {g['sent']}" for g in results],
+            "share": [f"{g['share']:.0%}" for g in results],
+            "good requests/s": [offline.fmt(g["per_s"]) for g in results]}
+    for col, g in enumerate(results[1:], start=1):
+        if results[0]["per_s"]:
+            rows["good requests/s"][col] += f" ({g['per_s'] / results[0]['per_s']:.2f}x)"
+    if len(names) > 1:
+        print(f"  {'':<18} " + "".join(f"{n:<22}" for n in names).rstrip())
+    for label, cells in rows.items():
+        print(f"  {label:<18} " + "".join(f"{c:<22}" for c in cells).rstrip())
+
+
 async def run_load(client, jobs: list[tuple[str, dict]], concurrency: int | None, arrivals: list[float],
                    bar) -> tuple[list, float]:
     """Send every job at its arrival time, at most `concurrency` in flight. Returns records, seconds."""
@@ -136,17 +173,32 @@ async def run_load(client, jobs: list[tuple[str, dict]], concurrency: int | None
     return list(records), time.perf_counter() - start
 
 
-async def measure(url: str, args, prompts: list[dict], bar) -> tuple[list, float]:
-    """Warm up, then run the measured load against one server."""
+def workload(args) -> list[tuple[dict, int]]:
+    """(prompt, max_tokens) pairs: the committed prompts with one budget, or the mixed workload
+    as plain-text completions, each with its own budget (tokenized with --model's tokenizer)."""
+    if args.workload == "prompts":
+        return [(p, args.max_new_tokens) for p in offline.load_prompts(args.prompts, args.num_prompts)]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(setup.resolve_model(args.model))
+    return [({"text": w.prompt}, w.max_new_tokens)
+            for w in offline.mixed_workload(tokenizer, args.num_prompts or 32, args.seed)]
+
+
+async def model_id(client: httpx.AsyncClient, args) -> str:
+    try:  # vLLM and ours check the model name
+        return (await client.get("/v1/models")).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return args.model or setup.DEFAULT_MODEL
+
+
+async def measure(url: str, args, requests: list[tuple[dict, int]], warmup: int, bar) -> tuple[list, float]:
+    """Warm up, then send one pass of the workload to one server."""
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout,
                                  limits=httpx.Limits(max_connections=None)) as client:
-        try:  # vLLM and ours check the model name
-            model_id = (await client.get("/v1/models")).json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError):
-            model_id = args.model or setup.DEFAULT_MODEL
-        jobs = [request_for(p, model_id, args.max_new_tokens, args.ignore_eos, not args.no_stream)
-                for p in prompts] * args.runs
-        for job in (jobs * args.warmup)[: args.warmup]:
+        name = await model_id(client, args)
+        jobs = [request_for(p, name, budget, args.ignore_eos, not args.no_stream) for p, budget in requests]
+        for job in (jobs * warmup)[:warmup]:
             await send(client, *job)
         concurrency = args.concurrency or (None if args.request_rate else 1)
         return await run_load(client, jobs, concurrency, arrival_times(len(jobs), args.request_rate, args.seed), bar)
@@ -159,52 +211,70 @@ def main(argv: list[str] | None = None) -> dict:
                         "05_server.py (repeat it to compare servers)")
     parser.add_argument("--runs", type=int, default=2, help="passes over the prompt set (as offline)")
     parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival schedule")
+    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s "
+                        "(seeded by --seed)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput: first token within this")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: and this per later token")
     parser.add_argument("--no-stream", action="store_true", help="plain JSON replies (no TTFT/ITL then)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it fails")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
     parser.add_argument("--device", default=None, help="passed on to 05_server.py")
     args = parser.parse_args(argv)
-    if min(args.max_new_tokens, args.runs, args.concurrency or 1, args.num_prompts or 1) < 1 or args.warmup < 0:
-        parser.error("--max-new-tokens, --runs, --concurrency and --num-prompts must be >= 1, --warmup >= 0")
+    offline.check_common(parser, args)
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
     if args.request_rate is not None and args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
+    if args.slo_ttft_ms <= 0 or (args.slo_tpot_ms is not None and args.slo_tpot_ms <= 0):
+        parser.error("--slo-ttft-ms and --slo-tpot-ms must be > 0")
     if args.url and args.engine:
         parser.error("give --url (servers already running) or --engine (servers to launch), not both")
 
     specs = args.engine or ["04_engine:BaselineEngine"]
     targets = args.url or specs
     labels = args.url or offline.engine_labels(specs)
-    prompts = offline.load_prompts(args.prompts, args.num_prompts)
-    all_stats, all_records = [], []
-    with tqdm(total=len(targets) * len(prompts) * args.runs, desc="requests", file=sys.stderr,
-              disable=None) as bar:
-        try:
-            for label, target in zip(labels, targets):   # one server at a time on the machine
-                with (contextlib.nullcontext(target) if args.url else
-                      launched_server(target, args.model, args.device, args.startup_timeout)) as url:
-                    records, seconds = asyncio.run(measure(url, args, prompts, bar))
-                all_records.append(records)
-                all_stats.append(offline.bench_stats(label, records, seconds))
-        except KeyboardInterrupt:   # Ctrl-C: launched_server has already stopped the server
+    try:
+        requests = workload(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    all_records, seconds = [[] for _ in targets], [0.0 for _ in targets]
+    with contextlib.ExitStack() as servers, tqdm(total=len(targets) * len(requests) * args.runs,
+                                                 desc="requests", file=sys.stderr, disable=None) as bar:
+        try:   # every server up at once (idle ones cost memory, not time), so runs can alternate
+            urls = [servers.enter_context(contextlib.nullcontext(t) if args.url else
+                                          launched_server(t, args.model, args.device, args.startup_timeout))
+                    for t in targets]
+            for run in range(args.runs):
+                for i, url in enumerate(urls):   # one server at a time, alternating, as offline
+                    records, secs = asyncio.run(measure(url, args, requests, args.warmup if run == 0 else 0, bar))
+                    all_records[i] += records
+                    seconds[i] += secs
+        except KeyboardInterrupt:   # Ctrl-C: the ExitStack has already stopped the servers
             print("\n[interrupted]", file=sys.stderr)
             raise SystemExit(130) from None
+    all_stats = [offline.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, all_records, seconds)]
 
     mode = ("sequential" if not (args.concurrency or args.request_rate) else
             ", ".join(filter(None, [args.concurrency and f"concurrency {args.concurrency}",
                                     args.request_rate and f"Poisson {args.request_rate:g} req/s"])))
-    title = (f"Online benchmark: {len(prompts)} prompts x {args.runs} runs, {mode}, "
-             f"{'plain' if args.no_stream else 'streamed'}, max_tokens={args.max_new_tokens}"
+    budgets = sorted({budget for _, budget in requests})
+    budget = f"max_tokens={budgets[0]}" if len(budgets) == 1 else f"own max_tokens {', '.join(map(str, budgets))}"
+    title = (f"Online benchmark: {len(requests)} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
+             f" x {args.runs} runs, {mode}, {'plain' if args.no_stream else 'streamed'}, {budget}"
              f"{', ignore_eos' if args.ignore_eos else ''}")
     offline.print_table(title, all_stats)
-    for stats in all_stats:
+    for stats, records in zip(all_stats, all_records):
         if stats.failed:
-            first_error = next(r.error for r in all_records[all_stats.index(stats)] if r.error)
+            first_error = next(r.error for r in records if r.error)
             print(f"  [{stats.name}] {stats.failed} failed, e.g. {first_error}")
-    config = {**vars(args), "engine": None if args.url else specs, "targets": targets, "mode": mode}
+    slo = f"TTFT <= {args.slo_ttft_ms:g} ms" + (f", TPOT <= {args.slo_tpot_ms:g} ms" if args.slo_tpot_ms else "")
+    goods = [goodput(recs, secs, args.slo_ttft_ms, args.slo_tpot_ms) for recs, secs in zip(all_records, seconds)]
+    if not args.no_stream:   # without streaming there is no TTFT to hold to an SLO
+        print_goodput(labels, goods, slo)
+    config = {**vars(args), "engine": None if args.url else specs, "targets": targets, "mode": mode,
+              "slo": slo, "goodput": dict(zip(labels, goods))}
     offline.save_outputs(args, config, all_stats, all_records, title)
-    return {"config": config, "stats": all_stats, "records": all_records}
+    return {"config": config, "stats": all_stats, "records": all_records, "goodput": goods}
 
 
 if __name__ == "__main__":

@@ -154,3 +154,70 @@ def test_real_run_against_the_server(tiny_model_dir, tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     with pytest.raises(httpx.ConnectError):                   # the server was stopped afterwards
         httpx.get(f"{urls[0]}/health", timeout=5)
+
+
+# --- the mixed workload, goodput, and comparing servers in one run ----------------------------
+
+Record = online.RequestRecord
+
+
+def test_goodput_counts_requests_within_the_slo():
+    records = [Record(900.0, 1, 5, ttft_ms=200.0, tpot_ms=50.0),
+               Record(3000.0, 1, 5, ttft_ms=1000.0, tpot_ms=200.0),   # exactly at the limit: met
+               Record(3000.0, 1, 5, ttft_ms=1500.0, tpot_ms=10.0),    # first token too late
+               Record(300.0, 1, 1, ttft_ms=300.0, tpot_ms=None),      # one token: no TPOT to miss
+               Record(5.0, error="HTTP 503: overloaded"),             # a failure never meets it
+               Record(800.0, 1, 5)]                                   # TTFT not measured (no streaming)
+    assert online.goodput(records, 2.0, slo_ttft_ms=1000) == {"met": 3, "sent": 6, "share": 0.5, "per_s": 1.5}
+    assert online.goodput(records, 2.0, slo_ttft_ms=1000, slo_tpot_ms=100) == {
+        "met": 2, "sent": 6, "share": pytest.approx(1 / 3), "per_s": 1.0}
+    assert online.goodput([], 1.0, 1000)["share"] == 0.0
+    for bad in ({"duration_s": 0.0, "slo_ttft_ms": 1000}, {"duration_s": 1.0, "slo_ttft_ms": 0},
+                {"duration_s": 1.0, "slo_ttft_ms": 1000, "slo_tpot_ms": -1}):
+        with pytest.raises(ValueError):
+            online.goodput(records, **bad)
+
+
+def test_mixed_workload_sends_plain_text_with_each_requests_own_budget(tiny_model_dir):
+    args = online.argparse.Namespace(workload="mixed", model=str(tiny_model_dir), num_prompts=6, seed=3)
+    requests = online.workload(args)
+    spec = load_script("11_paged_kv_demo").load_workload()["requests"][:6]
+    assert [budget for _, budget in requests] == [r["max_tokens"] for r in spec]
+    path, body = online.request_for(requests[3][0], "m", requests[3][1], ignore_eos=True, stream=True)
+    assert path == "/v1/completions" and body["max_tokens"] == spec[3]["max_tokens"]   # no chat template
+    offline = load_script("06_benchmark_offline")
+    from transformers import AutoTokenizer
+    expected = offline.mixed_workload(AutoTokenizer.from_pretrained(tiny_model_dir), 6, seed=3)
+    assert [p["text"] for p, _ in requests] == [w.prompt for w in expected]
+
+
+def test_servers_alternate_and_goodput_is_compared(monkeypatch, capsys):
+    visits = []
+
+    async def fake_measure(url, args, requests, warmup, bar):
+        visits.append((url, warmup))
+        fast = url.endswith(":2")   # server 2 answers twice as many requests within 1 s
+        records = [Record(1000.0, 1, 4, ttft_ms=400.0 if fast or i < 2 else 1600.0, tpot_ms=20.0)
+                   for i in range(len(requests))]
+        return records, 4.0
+    monkeypatch.setattr(online, "measure", fake_measure)
+    result = online.main(["--url", "http://h:1", "--url", "http://h:2", "--num-prompts", "4", "--runs", "2",
+                          "--warmup", "1", "--concurrency", "4"])
+    assert visits == [("http://h:1", 1), ("http://h:2", 1), ("http://h:1", 0), ("http://h:2", 0)]
+    assert [g["met"] for g in result["goodput"]] == [4, 8] and result["goodput"][1]["per_s"] == 1.0
+    printed = capsys.readouterr().out
+    assert "[Goodput: TTFT <= 1000 ms]" in printed
+    assert "good requests/s    0.50                  1.00 (2.00x)" in printed
+    assert "share              50%                   100%" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slo-ttft-ms", "0"], "--slo-ttft-ms and --slo-tpot-ms must be > 0"),
+    (["--slo-tpot-ms", "-5"], "--slo-ttft-ms and --slo-tpot-ms must be > 0"),
+    (["--workload", "mixed", "--max-new-tokens", "16"], "drop --max-new-tokens"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+])
+def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        online.main(["--url", "http://127.0.0.1:1"] + argv)
+    assert message in capsys.readouterr().err
