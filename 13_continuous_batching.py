@@ -138,25 +138,34 @@ class ContinuousBatchingEngine(paged.PagedEngine):
             if not self.scheduler.has_work():
                 continue
             try:
-                events = self.step()
-            except Exception as exc:              # fail what is in flight, never the loop itself
-                for r in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self.scheduler.finish(r)
-                    self._by_id.pop(r.id, None)
-                    r.sink.put(("error", exc))
-                continue
-            for r, piece in events:
-                if piece:
-                    r.sink.put(("piece", piece))
-                if r.seq.finish_reason:
-                    self._by_id.pop(r.id, None)
-                    r.sink.put(("done", self.request_result(r)))
+                for r, piece in self.step():
+                    if piece:
+                        r.sink.put(("piece", piece))
+                    if r.seq.finish_reason:
+                        self._by_id.pop(r.id, None)
+                        r.sink.put(("done", self.request_result(r)))
+            except Exception as exc:              # fail what was in flight, never the loop itself
+                self._fail_in_flight(exc)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        """Every request that was in the failed step, or left it without its reader being told,
+        gets the error; requests still waiting hold no KV and keep their place in the queue."""
+        waiting = set(map(id, self.scheduler.waiting))
+        for r in [r for r in self._by_id.values() if id(r) not in waiting]:
+            self.scheduler.finish(r)
+            if r.id in self.blocks.tables:        # a step that failed half-way may leave blocks behind
+                self.blocks.free(r.id)
+            del self._by_id[r.id]
+            r.sink.put(("error", exc))
     # --8<-- [end:loop]
 
     # --8<-- [start:interface]
     def generate_stream(self, prompt: str, max_new_tokens: int,
                         params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
-        yield from self.submit(prompt, max_new_tokens, params)
+        yield from self.submit(prompt, max_new_tokens, params)   # closing this closes the stream
+
+    def generate(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> GenerateResult:
+        return self.submit(prompt, max_new_tokens, params).result()
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
@@ -165,12 +174,20 @@ class ContinuousBatchingEngine(paged.PagedEngine):
             raise ValueError("prompts must be a list of strings")
         requests = [self.new_request(p, max_new_tokens, params) for p in prompts]   # all checked first
         self._hand_over(requests)
-        return [list(RequestStream(self, r))[-1] for r in requests]
+        streams = [RequestStream(self, r) for r in requests]
+        try:
+            return [s.result() for s in streams]
+        finally:              # one failed, or the caller was interrupted: nothing keeps running
+            for s in streams:
+                s.close()
     # --8<-- [end:interface]
 
     def stats(self) -> dict:
-        return {**super().stats(), "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running), "batch_sizes": list(self.recent_batches)}
+        """Read from other threads (the server's panel) while the loop runs: len() and list() of a
+        deque are single operations under CPython's GIL, so each number is one consistent reading."""
+        return {**super().stats(), "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
+                "batch_sizes": list(self.recent_batches)}
 
 
 class RequestStream:
@@ -199,12 +216,26 @@ class RequestStream:
             raise StopIteration
         return value
 
+    def result(self) -> GenerateResult:
+        """Read to the end and return the GenerateResult (a failed request raises its error)."""
+        items = list(self)
+        if not items or not isinstance(items[-1], GenerateResult):
+            raise RuntimeError(f"request {self.request_id} was aborted before it finished")
+        return items[-1]
+
     def close(self) -> None:
         """Abort the request unless it already finished: its blocks are freed at the next step."""
         if not self.done and self.request.seq.finish_reason is None:
             self.engine.abort(self.request.id)
 
     cancel = close
+
+    def __del__(self) -> None:
+        """A reader that drops its stream unread wants no answer: stop the work, free the blocks."""
+        try:
+            self.close()
+        except Exception:   # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
+            pass
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []            # in admission order: the newest is last
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         if self.blocks.blocks_for(len(request.prompt_ids) + request.seq.budget) > self.blocks.num_blocks:
@@ -143,6 +144,7 @@ class Scheduler:
         self.running.remove(r)
         self.blocks.free(r.id)
         r.num_computed, r.preemptions = 0, r.preemptions + 1
+        self.num_preemptions += 1
         self.waiting.appendleft(r)
     # --8<-- [end:preempt]
 
