@@ -84,6 +84,7 @@ class RequestMetrics:
     ttft_ms: float | None = None    # time to first token: prefill plus the first sample
     tpot_ms: float | None = None    # time per output token after the first: the decode pace
     queue_ms: float | None = None   # arrival -> first scheduled (engines with a scheduler, Chapter 9)
+    cached_tokens: int | None = None  # prompt tokens whose K/V a prefix cache served (Chapter 8)
 
     def as_dict(self) -> dict:
         """A JSON-ready dict that leaves out what was not measured (no misleading nulls)."""

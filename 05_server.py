@@ -266,7 +266,11 @@ def sse(obj: dict | str) -> str:
 def usage(results) -> dict:
     prompt = sum(r.metrics.input_tokens for r in results)
     completion = sum(r.metrics.output_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = [r.metrics.cached_tokens for r in results if r.metrics.cached_tokens is not None]
+    if cached:   # OpenAI's field; only engines with a prefix cache (Chapter 8) measure it
+        out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return out
 
 
 # --8<-- [start:make-app]

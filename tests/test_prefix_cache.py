@@ -1,0 +1,228 @@
+"""12_prefix_cache.py: outputs identical with the cache on and off, shared blocks never written,
+eviction and reference counts, no leak, collisions harmless, cached_tokens reported (engine, server)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import load_script
+
+pc = load_script("12_prefix_cache")
+paged = load_script("11_paged_kv")
+contracts = load_script("03_contracts")
+server = load_script("05_server")
+
+BS = 4                      # small blocks: short prompts span many of them
+GREEDY = contracts.SamplingParams(ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return pc.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=BS)
+
+
+def run_ids(engine, ids: list[int], n: int = 6, caching: bool = True) -> tuple[list[int], int]:
+    """Generate from token ids through the engine's own loop: (new ids, cached prompt tokens)."""
+    engine.prefix_caching = caching
+    try:
+        seq = engine.new_sequence(GREEDY, n, len(ids))
+        for _ in engine.run([list(ids)], [seq]):
+            pass
+    finally:
+        engine.prefix_caching = True
+    return seq.new_ids, seq.cached_tokens
+
+
+def fresh_cache(engine) -> None:
+    engine.blocks = pc.PrefixCachingBlockManager(engine.pool.num_blocks, BS)
+
+
+def check_invariants(m: pc.PrefixCachingBlockManager) -> None:
+    """Every block is in exactly one place, and a reference count is the number of tables holding it."""
+    holders = [0] * m.num_blocks
+    for table in m.tables.values():
+        for b in table:
+            holders[b] += 1
+    free, evictable = set(m.free_blocks), set(m.evictable)
+    assert len(free) == len(m.free_blocks) and not free & evictable
+    for b in range(m.num_blocks):
+        assert m.ref_counts[b] == holders[b], f"block {b}: ref {m.ref_counts[b]}, held by {holders[b]}"
+        assert (b in free) + (b in evictable) + (holders[b] > 0) == 1, f"block {b} is in two places or none"
+        if b in evictable:
+            assert b in m.content          # only cached content is worth keeping
+    for h, b in m.by_hash.items():
+        assert m.content[b].hash == h
+
+
+PREFIX = list(range(1000, 1024))             # 24 tokens: 6 full blocks
+
+
+@pytest.mark.parametrize("name, ids, cached", [
+    ("no shared block", [7, 8, 9] + PREFIX[3:], 0),
+    ("one shared block", PREFIX[:4] + [5, 6, 7, 8, 9, 10, 11], 4),
+    ("several shared blocks", PREFIX[:14] + [5, 6, 7, 8], 12),
+    ("all full blocks shared", PREFIX + [99, 98, 97], 24),
+    ("an exact prefix of the cached prompt", PREFIX[:10], 8),
+    ("the same prompt, block-aligned: its last block is recomputed", PREFIX, 20),
+    ("a block-aligned prefix of it", PREFIX[:16], 12),
+])
+def test_output_with_the_cache_equals_output_without(engine, name, ids, cached):
+    fresh_cache(engine)
+    run_ids(engine, PREFIX)                          # computes and caches PREFIX's full blocks
+    off, _ = run_ids(engine, ids, caching=False)
+    on, hit = run_ids(engine, ids)
+    assert hit == cached, name
+    assert on == off, name
+    check_invariants(engine.blocks)
+
+
+def test_generated_tokens_are_cached_too_for_the_next_turn(engine):
+    fresh_cache(engine)
+    first, _ = run_ids(engine, PREFIX[:6], n=12)                 # 18 tokens in all: 4 full blocks
+    turn2 = PREFIX[:6] + first + [3, 4, 5]
+    off, _ = run_ids(engine, turn2, caching=False)
+    on, hit = run_ids(engine, turn2)
+    assert hit == 16 and on == off
+
+
+class WriteSpy:
+    """Wraps the model: records the blocks each forward writes, and fails if one is shared or cached."""
+
+    def __init__(self, engine):
+        self.engine, self.inner, self.max_shared = engine, engine.model.forward, 0
+
+    def __call__(self, batch, cache, *args, **kwargs):
+        m = self.engine.blocks
+        for block in {int(s) // BS for s in batch.slots}:
+            assert m.ref_counts[block] == 1, f"block {block} is written while {m.ref_counts[block]} sequences use it"
+            assert block not in m.content, f"cached block {block} is written"
+        self.max_shared = max(self.max_shared, max(m.ref_counts))
+        return self.inner(batch, cache, *args, **kwargs)
+
+
+def test_a_block_shared_by_running_sequences_is_never_written(engine, monkeypatch):
+    fresh_cache(engine)
+    spy = WriteSpy(engine)
+    monkeypatch.setattr(engine.model, "forward", spy)
+    system = "You are a careful assistant. Answer in one short sentence. " * 3
+    engine.generate(system + "First question?", 4, GREEDY)              # the system prompt is cached
+    results = engine.generate_batch([system + q for q in ("Why?", "How so?", "Where is it?", "When?")],
+                                    10, GREEDY)
+    assert spy.max_shared >= 4                  # four running sequences really shared blocks
+    assert all(r.metrics.cached_tokens > 0 for r in results)
+    monkeypatch.undo()
+    engine.prefix_caching = False
+    try:
+        assert [r.output_ids for r in results] == \
+            [r.output_ids for r in engine.generate_batch([system + q for q in ("Why?", "How so?", "Where is it?",
+                                                                                "When?")], 10, GREEDY)]
+    finally:
+        engine.prefix_caching = True
+
+
+def test_cached_tokens_are_reported_and_the_cache_fills_up(engine):
+    fresh_cache(engine)
+    system = "Answer briefly. The library opens at nine and closes at eight. " * 2
+    first = engine.generate(system + "When does it open?", 5, GREEDY)
+    second = engine.generate(system + "When does it close?", 5, GREEDY)
+    assert first.metrics.cached_tokens == 0
+    a, b = (engine.tokenizer(system + q).input_ids for q in ("When does it open?", "When does it close?"))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert second.metrics.cached_tokens == common // BS * BS     # every full block of the common prefix
+    assert second.metrics.as_dict()["cached_tokens"] == second.metrics.cached_tokens
+    stats = engine.stats()
+    assert stats["prefix_cache_blocks"] > 0 and stats["kv_blocks_used"] == 0
+    assert 0 < stats["prefix_cache_hit_rate"] < 1
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_right(engine):
+    small = engine
+    small.blocks = pc.PrefixCachingBlockManager(12, BS)     # 48 token slots: the cache must evict
+    rng = random.Random(1)
+    heads = [[rng.randrange(50, 5000) for _ in range(8)] for _ in range(3)]
+    for _ in range(12):
+        ids = rng.choice(heads) + [rng.randrange(50, 5000) for _ in range(rng.randrange(1, 10))]
+        off, _ = run_ids(small, ids, n=5, caching=False)
+        on, _ = run_ids(small, ids, n=5)
+        assert on == off
+        check_invariants(small.blocks)
+    assert small.blocks.hit_tokens > 0 and len(small.blocks.evictable) > 0
+
+
+@pytest.mark.parametrize("fake_hash", [lambda parent, tokens: 42,                # every block collides
+                                       lambda parent, tokens: hash(tokens)],     # the parent is ignored
+                         ids=["constant", "parent-blind"])
+def test_hash_collisions_cost_a_miss_never_a_wrong_answer(engine, monkeypatch, fake_hash):
+    fresh_cache(engine)
+    monkeypatch.setattr(pc, "block_hash", fake_hash)
+    run_ids(engine, PREFIX)
+    # Same tokens as PREFIX's 2nd and 3rd blocks, but at the start: their cached K/V belong elsewhere.
+    for ids in (PREFIX[4:12] + [1, 2, 3], [1, 2, 3, 4] + PREFIX[4:], PREFIX[:8] + [5, 6, 7]):
+        off, _ = run_ids(engine, ids, caching=False)
+        on, hit = run_ids(engine, ids)
+        assert on == off
+        assert hit <= (8 if ids[:8] == PREFIX[:8] else 0)
+        check_invariants(engine.blocks)
+
+
+def test_a_thousand_random_requests_leak_nothing():
+    m = pc.PrefixCachingBlockManager(40, BS)
+    rng = random.Random(0)
+    stems = [[rng.randrange(100) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+    running: dict[int, list[int]] = {}
+    for seq_id in range(1000):
+        tokens = rng.choice(stems)[:rng.randrange(1, 30)] + [rng.randrange(100) for _ in range(rng.randrange(0, 6))]
+        try:
+            hit = m.allocate_cached(seq_id, tokens)
+        except paged.PoolFullError:
+            assert m.blocks_for(len(tokens)) > m.num_free
+        else:
+            assert hit % BS == 0 and hit < len(tokens)
+            assert tokens[:hit] == [t for b in m.tables[seq_id][:hit // BS] for t in m.content[b].tokens]
+            running[seq_id] = tokens
+            m.cache_computed(seq_id, tokens[:rng.randrange(hit, len(tokens) + 1)])
+        for sid in list(running):                 # the others decode a token, finish or are preempted
+            roll = rng.random()
+            if roll < 0.3:
+                m.free(sid)
+                del running[sid]
+            elif roll < 0.7:
+                try:
+                    m.append_slot(sid)
+                    running[sid].append(rng.randrange(100))
+                    m.cache_computed(sid, running[sid])
+                except paged.PoolFullError:
+                    m.free(sid)
+                    del running[sid]
+        check_invariants(m)
+    for sid in running:
+        m.free(sid)
+    check_invariants(m)
+    assert len(m.free_blocks) + len(m.evictable) == m.num_blocks and not m.tables
+    assert m.hit_tokens > 0 and len(m.evictable) > 0
+
+
+def test_bad_calls_are_value_errors():
+    m = pc.PrefixCachingBlockManager(8, BS)
+    with pytest.raises(ValueError, match="0 tokens"):
+        m.allocate_cached(1, [])
+    m.allocate_cached(1, [1, 2, 3])
+    with pytest.raises(ValueError, match="already has blocks"):
+        m.allocate_cached(1, [1, 2, 3])
+    with pytest.raises(ValueError, match="holds slots for 3"):
+        m.cache_computed(1, [1, 2, 3, 4])
+
+
+def test_the_server_reports_cached_tokens_like_openai(engine):
+    fresh_cache(engine)
+    messages = [{"role": "system", "content": "You answer questions about the library, briefly. " * 3}]
+    with TestClient(server.make_app(engine, model_name="tiny")) as client:
+        bodies = [client.post("/v1/chat/completions", json={
+            "messages": messages + [{"role": "user", "content": q}], "max_tokens": 4}).json()
+            for q in ("Hours?", "Fees?")]
+    details = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
+    assert details[0] == 0 and details[1] >= 16
+    assert bodies[1]["metrics"]["cached_tokens"] == details[1]
