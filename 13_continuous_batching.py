@@ -46,7 +46,7 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.on_step = None                  # the demo's tracer: called with each step's record
         self.recent_batches: collections.deque = collections.deque(maxlen=64)
-        self._cv, self._inbox, self._aborts = threading.Condition(), [], set()
+        self._cv, self._inbox, self._aborts, self._closing = threading.Condition(), [], set(), False
         self._thread: threading.Thread | None = None
         self._by_id: dict[int, Request] = {}
 
@@ -120,8 +120,15 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
         while True:
             with self._cv:
-                while not (self._inbox or self._aborts or self.scheduler.has_work()):
+                while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
                     self._cv.wait()
+                if self._closing:                 # under the lock: no new loop starts meanwhile
+                    closed = RuntimeError("the engine was closed")
+                    for r in self._inbox:
+                        r.sink.put(("error", closed))
+                    self._fail_in_flight(closed, everyone=True)
+                    self._inbox, self._aborts, self._closing, self._thread = [], set(), False, None
+                    return
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
             for r in inbox:
@@ -146,18 +153,29 @@ class ContinuousBatchingEngine(paged.PagedEngine):
                         r.sink.put(("done", self.request_result(r)))
             except Exception as exc:              # fail what was in flight, never the loop itself
                 self._fail_in_flight(exc)
+    # --8<-- [end:loop]
 
-    def _fail_in_flight(self, exc: Exception) -> None:
+    def _fail_in_flight(self, exc: Exception, everyone: bool = False) -> None:
         """Every request that was in the failed step, or left it without its reader being told,
         gets the error; requests still waiting hold no KV and keep their place in the queue."""
-        waiting = set(map(id, self.scheduler.waiting))
+        waiting = set() if everyone else set(map(id, self.scheduler.waiting))
         for r in [r for r in self._by_id.values() if id(r) not in waiting]:
             self.scheduler.finish(r)
             if r.id in self.blocks.tables:        # a step that failed half-way may leave blocks behind
                 self.blocks.free(r.id)
             del self._by_id[r.id]
             r.sink.put(("error", exc))
-    # --8<-- [end:loop]
+
+    def close(self) -> None:
+        """Stop the engine loop, so that the engine can be freed; what is in flight fails.
+        A later submit starts a new loop."""
+        with self._cv:
+            if self._thread is None:
+                return
+            thread, self._closing = self._thread, True
+            self._cv.notify()
+        if thread is not threading.current_thread():
+            thread.join()
 
     # --8<-- [start:interface]
     def generate_stream(self, prompt: str, max_new_tokens: int,

@@ -265,6 +265,18 @@ class Tracer:
         assert self.gate.wait(30)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a busy 2-core machine the threads'
+    spin-waits make them many times slower: one thread for this file, restored afterwards."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def make_engine(folder, **kwargs):
     return cb13.ContinuousBatchingEngine(str(folder), device="cpu", **kwargs)
 
@@ -272,8 +284,10 @@ def make_engine(folder, **kwargs):
 @pytest.fixture(scope="module")
 def roomy(tiny_model_dir):
     """No preemption, no chunking: 2,048 token slots, a budget bigger than any prompt."""
-    return make_engine(tiny_model_dir, kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN, block_size=16,
-                       max_num_seqs=8, max_num_batched_tokens=256)
+    engine = make_engine(tiny_model_dir, kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN, block_size=16,
+                         max_num_seqs=8, max_num_batched_tokens=256)
+    yield engine
+    engine.close()                                        # its loop thread ends: the engine can be freed
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +296,17 @@ def tight(tiny_model_dir):
     engine = make_engine(tiny_model_dir, kv_memory=16 * 4 * TINY_KV_BYTES_PER_TOKEN, block_size=4,
                          max_num_seqs=4, max_num_batched_tokens=8)
     assert engine.blocks.num_blocks == 16
-    return engine
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def narrow(tiny_model_dir):
     """Two sequences at a time: the rest wait in the queue."""
-    return make_engine(tiny_model_dir, kv_memory=512 * TINY_KV_BYTES_PER_TOKEN, block_size=8,
-                       max_num_seqs=2, max_num_batched_tokens=64)
+    engine = make_engine(tiny_model_dir, kv_memory=512 * TINY_KV_BYTES_PER_TOKEN, block_size=8,
+                         max_num_seqs=2, max_num_batched_tokens=64)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -533,6 +550,23 @@ def test_a_failure_after_a_request_finished_in_that_step_still_reaches_its_reade
     assert_same(roomy.generate(PROMPTS[0], 3), expected(PROMPTS[0], 3))
 
 
+def test_close_fails_what_is_in_flight_ends_the_loop_and_a_later_submit_restarts_it(narrow, expected):
+    endless = SamplingParams(ignore_eos=True)
+    running = [narrow.submit("Hello", 60, endless) for _ in range(2)]
+    queued = narrow.submit("Wait for me", 60, endless)
+    next(running[0])
+    loop = narrow._thread
+    narrow.close()
+    assert not loop.is_alive() and narrow._thread is None
+    for s in running + [queued]:
+        with pytest.raises(RuntimeError, match="closed"):
+            collect(s)
+    assert_idle(narrow)
+    narrow.close()                                        # closing a closed engine is harmless
+    assert_same(narrow.generate(PROMPTS[3], 6), expected(PROMPTS[3], 6))
+    assert narrow._thread is not loop and narrow._thread.is_alive()
+
+
 def test_metrics_have_ttft_tpot_and_queue_time(narrow):
     streams = [narrow.submit(p, 8, SamplingParams(ignore_eos=True)) for p in PROMPTS[:3]]
     results = [result_of(s) for s in streams]
@@ -575,10 +609,13 @@ def test_real_model_with_preemption_and_chunks_equals_the_baseline(real_engine, 
     engine = make_engine(default_model_dir, kv_memory=max(need) * 4 * config.kv_bytes_per_token(torch.float32),
                          block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     params = SamplingParams(ignore_eos=True)
-    with Tracer(engine, hold=True) as trace:
-        streams = [engine.submit(p, n, params) for p, n in zip(prompts, budgets)]
-        trace.release()
-        results = [result_of(s) for s in streams]
+    try:
+        with Tracer(engine, hold=True) as trace:
+            streams = [engine.submit(p, n, params) for p, n in zip(prompts, budgets)]
+            trace.release()
+            results = [result_of(s) for s in streams]
+    finally:
+        engine.close()
     for p, n, got in zip(prompts, budgets, results):
         assert_same(got, real_engine.generate(p, n, params))
     assert engine.stats()["preemptions"] > 0
