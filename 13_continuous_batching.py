@@ -14,7 +14,8 @@ unchanged: one step is one `forward` over whatever the scheduler picked.
 
 For live traffic `submit()` hands a request to a background thread that steps the
 scheduler while there is work; the caller reads text pieces, then the GenerateResult,
-from the request's own queue, and `abort()` frees its blocks at the next step.
+from the request's own queue, and `abort()` frees its blocks at the next step
+(so does dropping the stream unread). `close()` ends the loop.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ContinuousBatchingEngine(paged.PagedEngine):
                  dtype: torch.dtype = torch.float32, kv_memory: int = paged.DEFAULT_KV_MEMORY,
                  block_size: int = paged.DEFAULT_BLOCK_SIZE, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 256):
+        scheduler13.Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)   # before loading a model
         super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size)
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.on_step = None                  # the demo's tracer: called with each step's record

@@ -71,17 +71,22 @@ class Scheduler:
     """Waiting and running queues over a BlockManager, under a token budget and a sequence cap."""
 
     def __init__(self, blocks: paged.BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or not 1 <= value <= 65536:
-                raise ValueError(f"{name} must be an integer in [1, 65536], got {value!r}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}): every running sequence needs a token each step")
+        self.check_limits(max_num_seqs, max_num_batched_tokens)
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []            # in admission order: the newest is last
         self.num_preemptions = 0
+
+    @staticmethod
+    def check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """ValueError unless both limits are sane (an engine asks before it loads a model)."""
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536:
+                raise ValueError(f"{name} must be an integer in [1, 65536], got {value!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence needs a token each step")
 
     def add(self, request: Request) -> None:
         if self.blocks.blocks_for(len(request.prompt_ids) + request.seq.budget) > self.blocks.num_blocks:

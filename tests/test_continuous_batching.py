@@ -178,6 +178,7 @@ def test_a_request_that_can_never_fit_is_refused_at_add():
 @pytest.mark.parametrize("kwargs", [
     {"max_num_seqs": 0}, {"max_num_seqs": -1}, {"max_num_seqs": 2.5}, {"max_num_seqs": "4"},
     {"max_num_batched_tokens": 0}, {"max_num_batched_tokens": None}, {"max_num_batched_tokens": 1 << 20},
+    {"max_num_seqs": True},
     {"max_num_seqs": 8, "max_num_batched_tokens": 4},
 ])
 def test_invalid_scheduler_arguments_raise_value_error(kwargs):
@@ -445,6 +446,11 @@ def test_closing_a_stream_or_abort_frees_every_block_by_the_next_step(tight):
     assert_idle(tight)
     a.close()                                             # closing twice, or after the end, is harmless
     tight.abort(12345678)                                 # an unknown id too
+    c = tight.submit("Hello", 50, endless)
+    tight.abort(c.request_id)
+    with pytest.raises(RuntimeError, match="aborted"):
+        c.result()
+    assert_idle(tight)
 
 
 def test_a_waiting_request_can_be_aborted_before_it_ever_runs(narrow, expected):
@@ -481,7 +487,7 @@ def test_two_hundred_requests_leave_nothing_behind(roomy):
                 if s.request_id % 7 == 0:
                     s.close()
                     collect(s)
-                elif s.request_id % 11 != 0:              # the 11s are simply dropped
+                elif s.request_id % 11 != 0:              # the 11s are never read
                     result_of(s)
     assert_idle(roomy, timeout=30)
     assert roomy.stats()["waiting"] == roomy.stats()["running"] == 0
@@ -533,6 +539,25 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(roomy, exp
     assert_same(roomy.generate(PROMPTS[1], 8), expected(PROMPTS[1], 8))
     stream = roomy.submit(PROMPTS[0], 4)
     assert_same(result_of(stream), expected(PROMPTS[0], 4))
+
+
+def test_a_failing_step_spares_the_requests_still_waiting(narrow, expected, monkeypatch):
+    real_forward, failed = narrow.model.forward, []
+
+    def forward_failing_on_a_pair(batch, *args, **kwargs):
+        if len(batch.lengths) == 2 and not failed:
+            failed.append(1)
+            raise RuntimeError("boom")
+        return real_forward(batch, *args, **kwargs)
+
+    monkeypatch.setattr(narrow.model, "forward", forward_failing_on_a_pair)
+    pair = [narrow.submit(p, 20, SamplingParams(ignore_eos=True)) for p in PROMPTS[:2]]
+    queued = narrow.submit(PROMPTS[2], 6)                 # max_num_seqs=2: it waits behind the pair
+    for s in pair:
+        with pytest.raises(RuntimeError, match="boom"):
+            collect(s)
+    assert_same(result_of(queued), expected(PROMPTS[2], 6))
+    assert_idle(narrow)
 
 
 def test_a_failure_after_a_request_finished_in_that_step_still_reaches_its_reader(roomy, expected):
