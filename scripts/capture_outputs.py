@@ -102,6 +102,12 @@ CAPTURES = [
     # Chapter 7 (paged KV cache)
     # Chapter 8 (prefix caching)
     # Chapter 9 (continuous batching)
+    Capture("13_continuous_batching", [
+        "python 13_continuous_batching.py --plot book/assets/ch9-timeline.png",
+    ], timeout_s=1800),
+    Capture("13_preemption", [
+        "python 13_continuous_batching.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
+    ], timeout_s=1800),
     # Chapter 12 (quantisation)
 ]
 
