@@ -428,29 +428,29 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch_mates(roomy, tight):
     assert_idle(tight)
 
 
-def test_closing_a_stream_or_abort_frees_every_block_by_the_next_step(tight):
+def test_closing_a_stream_or_abort_frees_every_block_by_the_next_step(narrow):
     endless = SamplingParams(ignore_eos=True)
-    with Tracer(tight) as trace:
-        a = tight.submit("Hello", 50, endless)
-        b = tight.submit("Hi there", 50, endless)
+    with Tracer(narrow) as trace:
+        a = narrow.submit("Hello", 400, endless)
+        b = narrow.submit("Hi there", 400, endless)
         next(a)
         next(b)
         a.close()
         closed_at = time.monotonic()
-        tight.abort(b.request_id)
+        narrow.abort(b.request_id)
         rest_a, rest_b = collect(a), collect(b)
     assert not any(isinstance(x, GenerateResult) for x in rest_a + rest_b)
-    assert len(a.request.seq.new_ids) < 50 and len(b.request.seq.new_ids) < 50
+    assert len(a.request.seq.new_ids) < 400 and len(b.request.seq.new_ids) < 400
     # At most the step already under way when close() came still had it.
     assert sum(a.request_id in s["ids"] for s in trace.steps if s["at"] > closed_at) <= 1
-    assert_idle(tight)
+    assert_idle(narrow)
     a.close()                                             # closing twice, or after the end, is harmless
-    tight.abort(12345678)                                 # an unknown id too
-    c = tight.submit("Hello", 50, endless)
-    tight.abort(c.request_id)
+    narrow.abort(12345678)                                # an unknown id too
+    c = narrow.submit("Hello", 400, endless)
+    narrow.abort(c.request_id)
     with pytest.raises(RuntimeError, match="aborted"):
         c.result()
-    assert_idle(tight)
+    assert_idle(narrow)
 
 
 def test_a_waiting_request_can_be_aborted_before_it_ever_runs(narrow, expected):
@@ -469,13 +469,13 @@ def test_a_waiting_request_can_be_aborted_before_it_ever_runs(narrow, expected):
     assert_same(narrow.generate(PROMPTS[0], 5), expected(PROMPTS[0], 5))    # and it keeps serving
 
 
-def test_an_abandoned_stream_is_aborted_and_frees_its_blocks(tight):
-    stream = tight.submit("Hello", 50, SamplingParams(ignore_eos=True))
+def test_an_abandoned_stream_is_aborted_and_frees_its_blocks(narrow):
+    stream = narrow.submit("Hello", 400, SamplingParams(ignore_eos=True))
     request = stream.request
     next(stream)
     del stream                                            # the reader went away without closing
-    assert_idle(tight)
-    assert len(request.seq.new_ids) < 50
+    assert_idle(narrow)
+    assert len(request.seq.new_ids) < 400
 
 
 def test_two_hundred_requests_leave_nothing_behind(roomy):
