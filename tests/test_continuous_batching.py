@@ -476,6 +476,10 @@ def test_an_abandoned_stream_is_aborted_and_frees_its_blocks(narrow):
     del stream                                            # the reader went away without closing
     assert_idle(narrow)
     assert len(request.seq.new_ids) < 400
+    pieces = narrow.generate_stream("Hello", 400, SamplingParams(ignore_eos=True))
+    next(pieces)
+    pieces.close()                                        # the generator's close reaches the request
+    assert_idle(narrow)
 
 
 def test_two_hundred_requests_leave_nothing_behind(roomy):
