@@ -101,6 +101,19 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
     run_to_end(s, [short, long_])
 
 
+def test_admission_is_first_come_first_served_while_blocks_are_short():
+    blocks = paged.BlockManager(4, 4)
+    s = sched13.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=32)
+    a, b, c = fake_request(0, 12, 4), fake_request(1, 8, 2), fake_request(2, 2, 2)
+    for r in (a, b, c):
+        s.add(r)
+    work = fake_step(s, [a, b, c])
+    assert work.requests == [a]                     # b needs 2 blocks, 1 is free: c may not jump it
+    assert list(s.waiting) == [b, c]
+    run_to_end(s, [a, b, c])
+    assert blocks.num_free == 4
+
+
 def test_token_budget_and_sequence_cap_hold_every_step():
     s = sched13.Scheduler(paged.BlockManager(1000, 4), max_num_seqs=3, max_num_batched_tokens=10)
     everyone = [fake_request(i, 1 + 3 * i % 17, 1 + i % 5) for i in range(12)]
