@@ -13,6 +13,17 @@ plain torch functions:
 `sample_next_token` chains them in the usual order (temperature, top-k, top-p,
 then one seeded draw). Chapter 2's decode loop calls it at every step.
 
+Before those, OpenAI's API lets a request adjust the logits themselves, and each
+adjustment needs to know what the request has seen so far (`TokenHistory`):
+
+    logit_bias          add a fixed amount to chosen tokens' logits
+    repetition_penalty  shrink the logits of every token already seen, prompt included
+    presence_penalty    subtract once from each token already in the output
+    frequency_penalty   subtract once per time a token occurs in the output
+
+`adjust_logits` applies them to a whole batch at once, one row per request, in the
+order HF's generate uses; `token_logprobs` reports how likely the chosen tokens were.
+
     python 02_sampling.py --prompt "The capital of France is"
 """
 
@@ -69,6 +80,85 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 # --8<-- [end:top-p]
 
 
+# --8<-- [start:penalties]
+class TokenHistory:
+    """What one request has seen, as [vocab] tensors: the memory the penalties need."""
+
+    def __init__(self, prompt_ids, vocab_size: int, device: torch.device | str = "cpu"):
+        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.prompt_seen[torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+
+    def add(self, token_id: int) -> None:
+        self.output_counts[token_id] += 1
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list) -> torch.Tensor:
+    """Row i gets biases[i], a sequence of (token id, amount), added to its logits."""
+    bias = torch.zeros_like(logits)
+    for row, pairs in enumerate(biases):
+        if pairs:
+            ids, amounts = zip(*pairs)
+            bias[row, list(ids)] = torch.tensor(amounts, dtype=logits.dtype, device=logits.device)
+    return logits + bias
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """Seen tokens lose likelihood whatever their sign: positive logits are divided, negative multiplied."""
+    shrunk = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, shrunk, logits)
+
+
+def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                             frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's two penalties: frequency per occurrence in the output, presence once if it occurred."""
+    return logits - (counts * frequency + (counts > 0) * presence)
+
+
+def adjust_logits(logits: torch.Tensor, params: list, histories: list) -> torch.Tensor:
+    """Bias, then penalties, on a [batch, vocab] block: row i belongs to params[i] and histories[i].
+
+    Rows whose params adjust nothing come back as they were; the others are worked on
+    together, one tensor operation per adjustment, whatever the batch size.
+    """
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.float().clone()     # float32, as HF's generate does, and never in place
+    index = torch.tensor(rows, device=logits.device)
+    chosen = [params[i] for i in rows]
+    counts = torch.stack([histories[i].output_counts for i in rows])
+    seen = torch.stack([histories[i].prompt_seen for i in rows]) | (counts > 0)
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([[getattr(p, name)] for p in chosen], dtype=torch.float32, device=logits.device)
+
+    block = apply_logit_bias(out[index], [p.logit_bias for p in chosen])
+    block = apply_repetition_penalty(block, seen, column("repetition_penalty"))
+    out[index] = apply_presence_frequency(block, counts, column("presence_penalty"), column("frequency_penalty"))
+    return out
+# --8<-- [end:penalties]
+
+
+# --8<-- [start:logprobs]
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: list[int]) -> list:
+    """For row i: the log-probability of token_ids[i] and of the k[i] likeliest tokens.
+
+    Computed from the logits as given (the model's own distribution, before any
+    adjustment or temperature); one softmax and one top-k for the whole batch.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))[:, 0].tolist()
+    top = logprobs.topk(max(k), dim=-1) if max(k) > 0 else None
+    entries = []
+    for row, (token_id, lp) in enumerate(zip(token_ids, chosen)):
+        alternatives = () if top is None else tuple(zip(top.indices[row, :k[row]].tolist(),
+                                                        top.values[row, :k[row]].tolist()))
+        entries.append(contracts.TokenLogprob(token_id, lp, alternatives))
+    return entries
+# --8<-- [end:logprobs]
+
+
 # --8<-- [start:sample]
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A private random stream for one request, so its draws do not depend on anyone else's."""
@@ -77,8 +167,15 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def sample_next_token(logits: torch.Tensor, params, generator: torch.Generator | None = None) -> int:
-    """Pick one token id from a [vocab] logit vector according to SamplingParams."""
+def sample_next_token(logits: torch.Tensor, params, generator: torch.Generator | None = None,
+                      history: TokenHistory | None = None) -> int:
+    """Pick one token id from a [vocab] logit vector according to SamplingParams.
+
+    With a history, bias and penalties come first; a caller that already applied them
+    to the whole batch (the decode loop) leaves it out.
+    """
+    if history is not None:
+        logits = adjust_logits(logits.unsqueeze(0), [params], [history])[0]
     if params.is_greedy:
         return int(greedy(logits))
     logits = apply_temperature(logits.float(), params.temperature)

@@ -21,6 +21,13 @@ FinishReason = Literal["stop", "length"]
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
+# OpenAI's bounds for the logit adjustments and log-probabilities; vLLM's repetition_penalty
+# has none, but beyond 2 it only garbles text, and 0 or less would flip or divide by zero.
+PENALTY_RANGE = (-2.0, 2.0)            # presence_penalty, frequency_penalty
+REPETITION_RANGE = (0.0, 2.0)          # repetition_penalty, in (0, 2]; 1 is off
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 300                   # entries in one logit_bias
+MAX_TOP_LOGPROBS = 20
 
 
 # --8<-- [start:sampling-params]
@@ -35,12 +42,25 @@ class SamplingParams:
     seed: int | None = None         # same seed, same sampled text
     stop: tuple[str, ...] = ()      # generation ends before the first of these strings
     ignore_eos: bool = False        # keep going past end-of-sequence (benchmarks use it)
+    # Adjustments to the logits before temperature, in the order HF's generate applies them:
+    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, added to its logit); a dict works too
+    repetition_penalty: float = 1.0  # HF/vLLM: any token already seen, prompt included, is divided
+                                     # (positive logit) or multiplied (negative) by it; 1 is off
+    presence_penalty: float = 0.0   # OpenAI: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token occurs in the output
+    logprobs: int | None = None     # None: off; k: the chosen token's log-probability and the k likeliest
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        for name in ("temperature", "top_p"):   # NaN slips past every comparison below
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((k, float(v)) for k, v in bias)))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from exc
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):   # NaN slips past every comparison below
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
@@ -60,6 +80,42 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters, "
                              f"got one of {max(len(s) for s in self.stop)}")
+        self._check_adjustments()
+
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not PENALTY_RANGE[0] <= getattr(self, name) <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be between {PENALTY_RANGE[0]:g} and {PENALTY_RANGE[1]:g}, "
+                                 f"got {getattr(self, name)}")
+        if not REPETITION_RANGE[0] < self.repetition_penalty <= REPETITION_RANGE[1]:
+            raise ValueError(f"repetition_penalty must be in ({REPETITION_RANGE[0]:g}, {REPETITION_RANGE[1]:g}] "
+                             f"(1 is off), got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not (math.isfinite(bias) and LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]):
+                raise ValueError(f"logit_bias values must be between {LOGIT_BIAS_RANGE[0]:g} and "
+                                 f"{LOGIT_BIAS_RANGE[1]:g}, got {bias} for token {token_id}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token more than once")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs (the number of alternatives) must be between 0 and "
+                             f"{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a bias or a penalty changes the logits before sampling."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or \
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in logit_bias must exist in the model's vocabulary (the engine knows its size)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token {bad[0]}, but the vocabulary has {vocab_size} tokens "
+                             f"(ids 0 to {vocab_size - 1})")
 
     @property
     def is_greedy(self) -> bool:
@@ -92,6 +148,35 @@ class RequestMetrics:
 # --8<-- [end:metrics]
 
 
+# --8<-- [start:logprobs]
+@dataclass(frozen=True)
+class TokenLogprob:
+    """How likely the model found one generated token, and its likeliest alternatives.
+
+    Log-probabilities of the model's own distribution: before bias, penalties and temperature
+    (vLLM's default, "raw logprobs"), so they describe the model, not the sampling settings.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token id, log-probability), most likely first
+
+
+class TextPiece(str):
+    """A streamed text piece that also carries the log-probabilities of the tokens it completes.
+
+    It is a str, so every consumer of a stream that does not care keeps working unchanged.
+    """
+
+    logprobs: tuple[TokenLogprob, ...]
+
+    def __new__(cls, text: str, logprobs=()):
+        piece = super().__new__(cls, text)
+        piece.logprobs = tuple(logprobs)
+        return piece
+# --8<-- [end:logprobs]
+
+
 # --8<-- [start:result]
 @dataclass
 class GenerateResult:
@@ -101,6 +186,7 @@ class GenerateResult:
     output_ids: list[int]
     metrics: RequestMetrics
     finish_reason: FinishReason = "length"  # "stop": EOS or a stop string; "length": the budget ran out
+    logprobs: list[TokenLogprob] | None = None   # one per output id, when SamplingParams.logprobs asked
 
     def __post_init__(self) -> None:
         if self.finish_reason not in ("stop", "length"):
@@ -119,7 +205,8 @@ def main() -> None:
     print(f"  is_greedy = {SamplingParams(temperature=0.8, top_p=0.95, seed=7).is_greedy}")
     print("\n[bad values are refused at construction]")
     for bad in ({"temperature": -1.0}, {"temperature": float("inf")}, {"top_p": 0.0}, {"top_p": 1.5},
-                {"top_k": -3}, {"max_tokens": 0}, {"seed": 2**70}):
+                {"top_k": -3}, {"max_tokens": 0}, {"seed": 2**70}, {"presence_penalty": 2.5},
+                {"repetition_penalty": 0.0}, {"logit_bias": {42: 101.0}}, {"logprobs": 21}):
         try:
             SamplingParams(**bad)
         except ValueError as exc:

@@ -21,10 +21,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor)
 from transformers.generation.streamers import BaseStreamer
 
 setup = importlib.import_module("01_setup")
+sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
 SamplingParams = contracts.SamplingParams
 GenerateResult = contracts.GenerateResult
@@ -93,11 +96,55 @@ class IncrementalDetokenizer:
 # --8<-- [end:stop-text]
 
 
-class _TokenQueueStreamer(BaseStreamer):
-    """Hands each new token id from HF's generate thread to the consumer through a queue."""
+def attach_logprobs(piece: str, logprobs: list | None, sent: int) -> tuple[str, int]:
+    """Hand the log-probabilities not yet sent out with the next non-empty text piece.
 
-    def __init__(self):
+    Returns the piece (a TextPiece when it carries some) and how many are now sent.
+    """
+    if logprobs is None or not piece or sent == len(logprobs):
+        return piece, sent
+    return contracts.TextPiece(piece, logprobs[sent:]), len(logprobs)
+
+
+# --8<-- [start:hf-processors]
+class _RawLogprobs(LogitsProcessor):
+    """First in HF's list, so it sees each step's logits before anything changes them."""
+
+    def __init__(self, k: int):
+        self.k, self.rows = k, []
+
+    def __call__(self, input_ids, scores):
+        self.rows.append(scores[:1].clone())   # one request: row 0; kept until its token is known
+        return scores
+
+    def entry(self, token_id: int) -> contracts.TokenLogprob:
+        return sampling.token_logprobs(self.rows.pop(0), [token_id], [self.k])[0]
+
+
+class _OutputPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties, which HF does not have: Chapter 1's function."""
+
+    def __init__(self, params: SamplingParams, n_prompt: int):
+        self.params, self.n_prompt = params, n_prompt
+
+    def __call__(self, input_ids, scores):
+        counts = torch.stack([torch.bincount(row[self.n_prompt:], minlength=scores.shape[-1]).float()
+                              for row in input_ids])
+        p = self.params
+        return sampling.apply_presence_frequency(scores, counts, p.presence_penalty, p.frequency_penalty)
+# --8<-- [end:hf-processors]
+
+
+class _TokenQueueStreamer(BaseStreamer):
+    """Hands each new token id from HF's generate thread to the consumer through a queue.
+
+    With a _RawLogprobs recorder it also pairs each token with its log-probability
+    (the i-th entry is ready before the i-th token is queued).
+    """
+
+    def __init__(self, recorder: _RawLogprobs | None = None):
         self.tokens: queue.Queue = queue.Queue()
+        self.recorder, self.logprobs = recorder, ([] if recorder else None)
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -105,6 +152,8 @@ class _TokenQueueStreamer(BaseStreamer):
             self._prompt_seen = True
             return
         for token_id in value.reshape(-1).tolist():
+            if self.recorder:
+                self.logprobs.append(self.recorder.entry(token_id))
             self.tokens.put(token_id)
 
     def end(self) -> None:
@@ -153,6 +202,11 @@ class BaselineEngine(BaseOfflineEngine):
         print("[engine] ready", flush=True)
     # --8<-- [end:init]
 
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits: the token ids a logit_bias may name."""
+        return int(self.model.config.vocab_size)
+
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -191,11 +245,26 @@ class BaselineEngine(BaseOfflineEngine):
             config.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k)  # top_k=0 means off for HF too
         return config
+
+    def _logits_processors(self, params: SamplingParams, n_prompt: int,
+                           recorder: _RawLogprobs | None = None) -> LogitsProcessorList:
+        """Bias and penalties as HF processors, in HF's own order; generate adds temperature,
+        top-k and top-p after them. HF does the bias and the repetition penalty itself."""
+        params.check_vocab(self.vocab_size)
+        processors = [recorder] if recorder else []
+        if params.logit_bias:
+            processors.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in params.logit_bias]))
+        if params.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
+        if params.presence_penalty or params.frequency_penalty:
+            processors.append(_OutputPenalties(params, n_prompt))
+        return LogitsProcessorList(processors)
     # --8<-- [end:generation-config]
 
     # --8<-- [start:finish]
     def finish(self, new_ids: list[int], params: SamplingParams, n_prompt: int, elapsed_s: float,
-               detok: IncrementalDetokenizer | None = None) -> GenerateResult:
+               detok: IncrementalDetokenizer | None = None,
+               logprobs: list | None = None) -> GenerateResult:
         """Build the result shared by every engine: text cut at a stop string, honest metrics.
 
         A streaming caller passes the detokenizer that already saw every id, so the text
@@ -217,6 +286,7 @@ class BaselineEngine(BaseOfflineEngine):
                 output_tokens=len(new_ids),
             ),
             finish_reason="stop" if (detok.stopped or ended_on_eos) else "length",
+            logprobs=None if logprobs is None else list(logprobs[: len(new_ids)]),
         )
     # --8<-- [end:finish]
 
@@ -231,6 +301,8 @@ class BaselineEngine(BaseOfflineEngine):
                                                      # request at a time keeps this reproducible
 
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        recorder = None if params.logprobs is None else _RawLogprobs(params.logprobs)
+        streamer = _TokenQueueStreamer(recorder) if recorder else None   # pairs tokens with logprobs
         t0 = time.perf_counter()
         with torch.no_grad():                        # generate() is no_grad already; our own loops need it
             # Chapter 2 replaces this call with our own token-by-token loop.
@@ -238,13 +310,16 @@ class BaselineEngine(BaseOfflineEngine):
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=self._generation_config(params, max_new_tokens),
+                logits_processor=self._logits_processors(params, input_ids.shape[1], recorder),
                 stopping_criteria=StoppingCriteriaList(
                     [_StopTextCriteria(detok, input_ids.shape[1])] if params.stop else []),
+                streamer=streamer,
             )
         elapsed_s = time.perf_counter() - t0
 
         new_ids = output_ids[0, input_ids.shape[1]:].tolist()   # drop the prompt
-        return self.finish(new_ids, params, input_ids.shape[1], elapsed_s, detok if params.stop else None)
+        return self.finish(new_ids, params, input_ids.shape[1], elapsed_s, detok if params.stop else None,
+                           streamer.logprobs if streamer else None)
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
@@ -265,7 +340,9 @@ class BaselineEngine(BaseOfflineEngine):
         input_ids = self.encode(prompt, max_new_tokens)
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        streamer, cancel, failure = _TokenQueueStreamer(), threading.Event(), []
+        recorder = None if params.logprobs is None else _RawLogprobs(params.logprobs)
+        processors = self._logits_processors(params, input_ids.shape[1], recorder)
+        streamer, cancel, failure = _TokenQueueStreamer(recorder), threading.Event(), []
 
         def run() -> None:
             try:
@@ -273,7 +350,8 @@ class BaselineEngine(BaseOfflineEngine):
                     self.model.generate(
                         input_ids, attention_mask=torch.ones_like(input_ids),
                         generation_config=self._generation_config(params, max_new_tokens),
-                        streamer=streamer, stopping_criteria=StoppingCriteriaList([_CancelCriteria(cancel)]))
+                        logits_processor=processors, streamer=streamer,
+                        stopping_criteria=StoppingCriteriaList([_CancelCriteria(cancel)]))
             except Exception as exc:  # handed to the consumer: a failure must not look like a short answer
                 failure.append(exc)
             finally:
@@ -282,22 +360,24 @@ class BaselineEngine(BaseOfflineEngine):
         t0 = time.perf_counter()
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
-        detok, new_ids = IncrementalDetokenizer(self.tokenizer, params.stop), []
+        detok, new_ids, sent = IncrementalDetokenizer(self.tokenizer, params.stop), [], 0
         try:
             while (token_id := streamer.tokens.get()) is not None:
                 new_ids.append(token_id)
-                if piece := detok.add(token_id):
+                piece, sent = attach_logprobs(detok.add(token_id), streamer.logprobs, sent)
+                if piece:
                     yield piece
                 if detok.stopped:  # the stop string is complete: nothing after it is wanted
                     break
-            if piece := detok.flush():
+            piece, sent = attach_logprobs(detok.flush(), streamer.logprobs and streamer.logprobs[:len(new_ids)], sent)
+            if piece:
                 yield piece
         finally:
             cancel.set()
             worker.join()
         if failure:
             raise failure[0]
-        yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0, detok)
+        yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0, detok, streamer.logprobs)
     # --8<-- [end:stream]
 
 

@@ -84,9 +84,7 @@ class StreamOptions(_Strict):
 # OpenAI fields that would change the answer but that these engines do not implement, each
 # with the value that means "not used". Sent with another value they are a 400, not ignored.
 UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "response_format": None, "logprobs": (None, False), "top_logprobs": None, "logit_bias": None,
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1), "echo": (None, False),
+               "response_format": None, "best_of": (None, 1), "echo": (None, False),
                "suffix": None, "min_p": (None, 0, 0.0), "audio": None, "modalities": None, "prediction": None}
 
 
@@ -109,15 +107,23 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False                  # vLLM extension, for benchmarks
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Adjustments to the logits (null means off); SamplingParams checks what JSON cannot.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)   # vLLM extension; 1 = off
+    logit_bias: dict[str, float] | None = None   # JSON keys are strings: token id -> -100..100
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None              # the chosen tokens' log-probabilities ...
+    top_logprobs: int | None = Field(None, ge=0, le=20)   # ... and this many alternatives each
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)   # legacy form: the number of alternatives
 # --8<-- [end:request-models]
 
 
@@ -174,11 +180,49 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def sampling_params(req: SamplingFields) -> SamplingParams:
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    try:
+        bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                              seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+                              seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
+                              logit_bias=bias, logprobs=logprobs,
+                              **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
+    except ValueError as exc:   # SamplingParams' messages start with the field's name
+        name = str(exc).split()[0]
+        raise APIError(400, str(exc), param=name if name in type(req).model_fields else None) from exc
+
+
+# --8<-- [start:logprobs]
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)   # JSON has no -Infinity; vLLM reports the same floor
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """Chat's shape: each token with its text, bytes, log-probability and alternatives."""
+    def one(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries, offset: int = 0) -> dict:
+    """The legacy completions shape: parallel lists, alternatives as {token text: log-probability}."""
+    tokens = [tokenizer.decode([e.token_id]) for e in entries]
+    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{tokenizer.decode([t]): _logprob(lp) for t, lp in e.top} for e in entries],
+            "text_offset": starts}
+# --8<-- [end:logprobs]
 
 
 MAX_BODY_BYTES = 2 << 20   # 2 MiB: far more text than any context window here holds
@@ -428,7 +472,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 yield sse(from_engine_error(exc).body())
                 yield sse("[DONE]")
                 return
-            final = chunk({} if chat else "", item.finish_reason)
+            final = chunk({} if chat else "", item.finish_reason, result=item)
             final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply
             yield sse(final)
             if include_usage:
@@ -453,9 +497,23 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
     # --8<-- [end:stream]
 
     def chunk_maker(kind: str, rid: str, created: int, chat: bool) -> Callable[..., dict]:
-        def chunk(delta, finish_reason=None) -> dict:
+        sent = {"entries": 0, "chars": 0}   # log-probabilities and text already streamed
+
+        def chunk(delta, finish_reason=None, result=None) -> dict:
+            text = delta.get("content", "") if chat else delta
+            # A piece carries its tokens' log-probabilities; the final chunk brings any left
+            # over (a token without text, such as EOS, or an engine whose pieces carry none).
+            entries = list(getattr(text, "logprobs", ()))
+            if result is not None and result.logprobs:
+                entries += result.logprobs[sent["entries"] + len(entries):]
+            logprobs = None
+            if entries:
+                logprobs = chat_logprobs(engine.tokenizer, entries) if chat else \
+                    completion_logprobs(engine.tokenizer, entries, sent["chars"])
+            sent["entries"] += len(entries)
+            sent["chars"] += len(text)
             choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
-            choice.update(logprobs=None, finish_reason=finish_reason)
+            choice.update(logprobs=logprobs, finish_reason=finish_reason)
             return {"id": rid, "object": kind, "created": created, "model": model_name,
                     "choices": [choice]}
         return chunk
@@ -480,7 +538,9 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                         "logprobs": None, "finish_reason": result.finish_reason}],
+                         "logprobs": None if result.logprobs is None else
+                         chat_logprobs(engine.tokenizer, result.logprobs),
+                         "finish_reason": result.finish_reason}],
             "usage": usage([result]),
             "metrics": result.metrics.as_dict(),
         }
@@ -509,7 +569,8 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         metrics = [r.metrics.as_dict() for r in results]
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model_name,
-            "choices": [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+            "choices": [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
+                         "logprobs": None if r.logprobs is None else completion_logprobs(engine.tokenizer, r.logprobs)}
                         for i, r in enumerate(results)],
             "usage": usage(results),
             "metrics": metrics[0] if isinstance(req.prompt, str) else metrics,

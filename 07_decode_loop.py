@@ -51,6 +51,9 @@ class Sequence:
     finish_reason: str | None = None              # None while still running
     t_first: float = 0.0                          # perf_counter() when its first token was ready
     t_last: float = 0.0                           # ... and its last one
+    history: sampling.TokenHistory | None = None  # tokens seen, when a bias or penalty needs them
+    logprobs: list | None = None                  # one TokenLogprob per new id, when asked for
+    logprobs_sent: int = 0                        # how many of them a streamed piece carried already
 
 
 @functools.cache
@@ -91,27 +94,56 @@ class DecodeLoopEngine(engine04.BaselineEngine):
         return out.logits[:, -1, :]
     # --8<-- [end:decode-step]
 
+    # --8<-- [start:sample]
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token id per row: Chapter 1's sampling, each row with its own generator."""
-        if all(s.params.is_greedy for s in seqs):
-            return sampling.greedy(logits).tolist()   # one argmax and one device sync for the batch
-        return [sampling.sample_next_token(row, s.params, s.generator) for row, s in zip(logits, seqs)]
+        """One token id per row: Chapter 1's sampling, each row with its own generator.
 
-    def new_sequence(self, params: SamplingParams, budget: int, n_prompt: int) -> Sequence:
+        Bias and penalties are applied to the whole batch first; log-probabilities are
+        read from the logits as the model gave them.
+        """
+        adjusted = sampling.adjust_logits(logits, [s.params for s in seqs], [s.history for s in seqs])
+        if all(s.params.is_greedy for s in seqs):
+            tokens = sampling.greedy(adjusted).tolist()   # one argmax and one device sync for the batch
+        else:
+            tokens = [sampling.sample_next_token(row, s.params, s.generator) for row, s in zip(adjusted, seqs)]
+        asking = [i for i, s in enumerate(seqs) if s.logprobs is not None and s.finish_reason is None]
+        if asking:
+            entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
+                                              [seqs[i].params.logprobs for i in asking])
+            for i, entry in zip(asking, entries):
+                seqs[i].logprobs.append(entry)
+        return tokens
+    # --8<-- [end:sample]
+
+    def new_sequence(self, params: SamplingParams, budget: int, n_prompt: int,
+                     prompt_ids: list[int] | None = None) -> Sequence:
+        """A request's state in the loop. prompt_ids: only repetition_penalty needs them."""
+        params.check_vocab(self.vocab_size)
+        history = None
+        if params.adjusts_logits:
+            if prompt_ids is None and params.repetition_penalty != 1.0:
+                raise ValueError(f"{type(self).__name__} does not pass the prompt's token ids to new_sequence, "
+                                 "so it cannot apply repetition_penalty (which covers the prompt)")
+            history = sampling.TokenHistory(prompt_ids or [], self.vocab_size, self.device)
         return Sequence(params, budget, n_prompt, engine04.IncrementalDetokenizer(self.tokenizer, params.stop),
-                        sampling.make_generator(params.seed, self.device))
+                        sampling.make_generator(params.seed, self.device), history=history,
+                        logprobs=None if params.logprobs is None else [])
 
     # --8<-- [start:accept]
     def accept(self, seq: Sequence, token_id: int, now: float) -> str:
         """Record one new token for one row; decide whether that row is done; return its new text."""
         seq.new_ids.append(token_id)
         seq.t_first, seq.t_last = seq.t_first or now, now
+        if seq.history is not None:
+            seq.history.add(token_id)
         piece = seq.detok.add(token_id)
         if seq.detok.stopped or (token_id in self.eos_token_ids and not seq.params.ignore_eos):
             seq.finish_reason = "stop"      # the EOS / stop-completing token stays in new_ids
         elif len(seq.new_ids) >= seq.budget:
             seq.finish_reason = "length"
-        return piece + seq.detok.flush() if seq.finish_reason else piece
+        piece = piece + seq.detok.flush() if seq.finish_reason else piece
+        piece, seq.logprobs_sent = engine04.attach_logprobs(piece, seq.logprobs, seq.logprobs_sent)
+        return piece
     # --8<-- [end:accept]
 
     # --8<-- [start:loop]
@@ -141,7 +173,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
     # --8<-- [start:metrics]
     def result(self, seq: Sequence, t0: float) -> GenerateResult:
         """BaselineEngine's result (same text, ids, finish_reason) plus the loop's own timings."""
-        res = self.finish(seq.new_ids, seq.params, seq.n_prompt, seq.t_last - t0, seq.detok)
+        res = self.finish(seq.new_ids, seq.params, seq.n_prompt, seq.t_last - t0, seq.detok, seq.logprobs)
         res.metrics.ttft_ms = (seq.t_first - t0) * 1e3            # call start -> first token ready
         if len(seq.new_ids) > 1:                                  # mean gap between later tokens
             res.metrics.tpot_ms = (seq.t_last - seq.t_first) / (len(seq.new_ids) - 1) * 1e3
@@ -160,7 +192,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
         params = params or SamplingParams()
         budget = params.token_budget(max_new_tokens)
         input_ids = self.encode(prompt, budget)
-        seq = self.new_sequence(params, budget, input_ids.shape[1])
+        seq = self.new_sequence(params, budget, input_ids.shape[1], input_ids[0].tolist())
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         with contextlib.closing(self.decode_loop(input_ids, None, positions, [seq])) as loop:
             for (piece,) in loop:

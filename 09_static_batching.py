@@ -76,7 +76,7 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
         results = []
         for start in range(0, len(encoded), self.max_batch_size):
             chunk = encoded[start: start + self.max_batch_size]
-            seqs = [self.new_sequence(params, budget, ids.shape[1]) for ids in chunk]
+            seqs = [self.new_sequence(params, budget, ids.shape[1], ids[0].tolist()) for ids in chunk]
             for _ in self.decode_loop(*self.left_pad(chunk), seqs):
                 pass                       # per-row stopping happens inside the loop (accept)
             # Each row reports its own ids, finish_reason and timings (its last token's time).

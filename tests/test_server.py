@@ -152,7 +152,7 @@ BAD_REQUESTS = [
     ("top_p 0", "/v1/chat/completions", {"messages": HELLO, "top_p": 0}, "top_p"),
     ("top_p > 1", "/v1/chat/completions", {"messages": HELLO, "top_p": 1.5}, "top_p"),
     ("n > 1", "/v1/chat/completions", {"messages": HELLO, "n": 2}, "n"),
-    ("empty stop string", "/v1/chat/completions", {"messages": HELLO, "stop": ""}, None),
+    ("empty stop string", "/v1/chat/completions", {"messages": HELLO, "stop": ""}, "stop"),
     ("stream not a bool", "/v1/chat/completions", {"messages": HELLO, "stream": "yes"}, "stream"),
     ("body not an object", "/v1/chat/completions", [1, 2], None),
     ("temperature > 2", "/v1/chat/completions", {"messages": HELLO, "temperature": 2.5}, "temperature"),
@@ -160,15 +160,25 @@ BAD_REQUESTS = [
     ("temperature Infinity", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', "temperature"),
     ("top_p NaN", "/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p"),
-    ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None),
-    ("five stop strings", "/v1/completions", {"prompt": "hi", "stop": list("abcde")}, None),
+    ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("five stop strings", "/v1/completions", {"prompt": "hi", "stop": list("abcde")}, "stop"),
     ("a 10,000-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 10_000}, None),
     ("tools", "/v1/chat/completions", {"messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
     ("response_format", "/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "json_object"}},
      "response_format"),
-    ("logprobs", "/v1/chat/completions", {"messages": HELLO, "logprobs": True}, "logprobs"),
-    ("presence_penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ("logit_bias", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 5}}, "logit_bias"),
+    ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("presence_penalty 2.5", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty NaN", "/v1/completions", b'{"prompt": "hi", "frequency_penalty": NaN}', "frequency_penalty"),
+    ("repetition_penalty 0", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("logit_bias 101", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 101}}, "logit_bias"),
+    ("logit_bias key not an id", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias beyond the vocabulary", "/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, None),
+    ("logit_bias of 301 tokens", "/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}},
+     "logit_bias"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
+    ("top_logprobs 21", "/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("completions logprobs true", "/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
     ("stream_options without stream", "/v1/chat/completions",
      {"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
     ("an image part", "/v1/chat/completions",
@@ -231,7 +241,8 @@ def test_text_parts_developer_role_and_the_model_field(client, tiny_engine):
     }).json()
     assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
     assert parts["usage"] == plain["usage"]
-    unused = {"prompt": "hi", "max_tokens": 2, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0}
+    unused = {"prompt": "hi", "max_tokens": 2, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
+              "repetition_penalty": None, "logit_bias": None, "best_of": 1}
     assert client.post("/v1/completions", json=unused).status_code == 200   # their "off" values are fine
     wrong = client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "hi"})
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"

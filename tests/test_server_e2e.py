@@ -98,6 +98,61 @@ def test_openai_client_sees_refusals_of_out_of_range_fields(client):
     assert parts.choices[0].message.role == "assistant"
 
 
+def test_openai_client_penalties_and_logit_bias_give_the_engines_answer(client, tiny_engine):
+    params_mod = load_script("03_contracts")
+    messages = [{"role": "user", "content": "Say something."}]
+    prompt = render_chat(tiny_engine.tokenizer, messages)
+    settings = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "logit_bias": {"30": 9}}
+    reply = client.chat.completions.create(model=served(client), messages=messages, max_tokens=10, **settings,
+                                           extra_body={"repetition_penalty": 1.3})
+    expected = tiny_engine.generate(prompt, 10, params_mod.SamplingParams(
+        presence_penalty=0.5, frequency_penalty=1.5, logit_bias={30: 9}, repetition_penalty=1.3))
+    assert reply.choices[0].message.content == expected.text
+    forced = client.completions.create(model=served(client), prompt="Hi", max_tokens=3, logit_bias={"30": 100})
+    assert forced.choices[0].text == tiny_engine.tokenizer.decode([30]) * 3
+
+
+def test_openai_client_chat_logprobs_plain_and_streamed(client, tiny_engine):
+    params_mod = load_script("03_contracts")
+    messages = [{"role": "user", "content": "Name a colour."}]
+    kwargs = {"model": served(client), "messages": messages, "max_tokens": 8, "logprobs": True, "top_logprobs": 3}
+    plain = client.chat.completions.create(**kwargs)
+    expected = tiny_engine.generate(render_chat(tiny_engine.tokenizer, messages), 8, params_mod.SamplingParams(logprobs=3))
+    content = plain.choices[0].logprobs.content
+    assert [c.token for c in content] == [tiny_engine.tokenizer.decode([t]) for t in expected.output_ids]
+    for got, want in zip(content, expected.logprobs):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4) and len(got.top_logprobs) == 3
+        assert got.top_logprobs[0].logprob >= got.top_logprobs[1].logprob >= got.top_logprobs[2].logprob
+        assert got.bytes == list(got.token.encode())
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
+
+
+def test_openai_client_completion_logprobs_plain_and_streamed(client):
+    kwargs = {"model": served(client), "prompt": "The weather today", "max_tokens": 8, "logprobs": 2}
+    plain = client.completions.create(**kwargs).choices[0]
+    lp = plain.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(len(alternatives) <= 2 and v <= 0 for alternatives, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_openai_client_sees_refusals_of_bad_controls(client):
+    hello = [{"role": "user", "content": "Hi"}]
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logit_bias": {"1": 200}},
+                {"logit_bias": {"10000000": 1}}, {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2},
+                {"extra_body": {"repetition_penalty": 0}}, {"n": 2},
+                {"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=served(client), messages=hello, max_tokens=2, **bad)
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_p": 0.95}], ids=["greedy", "seeded"])
 def test_simultaneous_requests_get_their_solo_answers(base_url, sampling):
     extras = [{**sampling, "seed": i} if sampling else {} for i in range(len(PROMPTS))]

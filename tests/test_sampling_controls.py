@@ -1,0 +1,192 @@
+"""Logit bias, the three penalties and log-probabilities: one meaning in Chapter 1's functions,
+in HF generate (the baseline) and in our own loop (Chapter 2, inherited by later engines)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+from conftest import load_script
+
+sampling = load_script("02_sampling")
+contracts = load_script("03_contracts")
+SamplingParams = contracts.SamplingParams
+N_NEW = 12
+
+# The tiny random model never repeats itself within a few tokens, so a penalty on repeats
+# would change nothing. A bias that makes token 30 win every step gives the penalties work.
+PUSH = {30: 9.0}
+ADJUSTED = {   # name: (the settings, what the answer is compared with to see that they matter)
+    "repetition": (dict(repetition_penalty=2.0, logit_bias=PUSH), dict(logit_bias=PUSH)),
+    "repetition<1": (dict(repetition_penalty=0.6), {}),
+    "presence+frequency": (dict(presence_penalty=0.5, frequency_penalty=1.5, logit_bias=PUSH), dict(logit_bias=PUSH)),
+    "negative frequency": (dict(frequency_penalty=-2.0), {}),
+    "all": (dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
+                 logit_bias={13: 4.0, 30: 6.0}), {}),
+}
+ALL = ADJUSTED["all"][0]
+
+
+@pytest.fixture(scope="module")
+def tiny_loop(tiny_model_dir):
+    return load_script("07_decode_loop").DecodeLoopEngine(str(tiny_model_dir), device="cpu")
+
+
+# ---------------------------------------------------------------- the contract
+@pytest.mark.parametrize("bad", [
+    {"presence_penalty": 2.01}, {"frequency_penalty": -2.5}, {"presence_penalty": math.nan},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0}, {"repetition_penalty": 2.5},
+    {"repetition_penalty": math.inf}, {"logit_bias": {5: 100.5}}, {"logit_bias": {5: math.nan}},
+    {"logit_bias": {-1: 1.0}}, {"logit_bias": {True: 1.0}}, {"logit_bias": {"5": 1.0}},
+    {"logit_bias": {5: "x"}}, {"logit_bias": ((5, 1.0), (5, 2.0))},
+    {"logit_bias": {i: 1.0 for i in range(301)}}, {"logprobs": -1}, {"logprobs": 21},
+])
+def test_out_of_range_controls_are_value_errors(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_bounds_themselves_are_accepted_and_the_bias_is_normalised():
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=2.0,
+                       logit_bias={9: 100, 3: -100}, logprobs=20)
+    assert p.logit_bias == ((3, -100.0), (9, 100.0)) and p.adjusts_logits
+    assert not SamplingParams(logprobs=0).adjusts_logits
+    hash(p)   # still a frozen, hashable value
+    p.check_vocab(10)
+    with pytest.raises(ValueError, match="vocabulary has 9 tokens"):
+        p.check_vocab(9)
+
+
+# ---------------------------------------------------------------- Chapter 1's functions
+def test_each_adjustment_by_hand():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert sampling.apply_repetition_penalty(logits, seen, torch.tensor([[2.0]])).tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    counts = torch.tensor([[2.0, 0.0, 1.0, 0.0]])
+    out = sampling.apply_presence_frequency(logits, counts, torch.tensor([[0.5]]), torch.tensor([[1.0]]))
+    assert out.tolist() == [[-0.5, -2.0, -0.5, 0.5]]
+    assert sampling.apply_logit_bias(logits, [((1, 3.0), (3, -0.5))]).tolist() == [[2.0, 1.0, 1.0, 0.0]]
+
+
+def test_adjust_logits_is_per_row_and_leaves_plain_rows_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(), SamplingParams(**ALL), SamplingParams(repetition_penalty=1.5)]
+    histories = [None] + [sampling.TokenHistory([1, 2, 13], 50) for _ in range(2)]
+    for token in (13, 13, 7):
+        histories[1].add(token)
+        histories[2].add(token)
+    batched = sampling.adjust_logits(logits, params, histories)
+    assert torch.equal(batched[0], logits[0])
+    for row in (1, 2):
+        alone = sampling.adjust_logits(logits[row:row + 1], params[row:row + 1], histories[row:row + 1])
+        assert torch.equal(batched[row], alone[0])
+    assert not torch.equal(batched[1], logits[1]) and not torch.equal(batched[2], logits[2])
+    assert sampling.adjust_logits(logits, [SamplingParams()] * 3, [None] * 3) is logits   # nothing to do: no copy
+
+
+def test_hf_processors_compute_the_same_numbers():
+    """The baseline lets HF do the bias and the repetition penalty: same bits as ours."""
+    torch.manual_seed(1)
+    scores = torch.randn(1, 300) * 8
+    ids = torch.tensor([[3, 17, 17, 250, 4]])
+    seen = torch.zeros(1, 300, dtype=torch.bool)
+    seen[0, ids[0]] = True
+    for penalty in (0.3, 1.1, 1.3, 1.9):
+        hf = RepetitionPenaltyLogitsProcessor(penalty)(ids, scores.clone())
+        assert torch.equal(hf, sampling.apply_repetition_penalty(scores, seen, torch.tensor([[penalty]])))
+    bias = ((3, 2.5), (99, -100.0))
+    hf = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias])(ids, scores.clone())
+    assert torch.equal(hf, sampling.apply_logit_bias(scores, [bias]))
+
+
+def test_token_logprobs_are_the_models_distribution():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 40)
+    entries = sampling.token_logprobs(logits, [5, 9], [3, 0])
+    expected = logits.log_softmax(-1)
+    assert entries[0].token_id == 5 and entries[0].logprob == pytest.approx(float(expected[0, 5]))
+    assert [t for t, _ in entries[0].top] == expected[0].topk(3).indices.tolist()
+    assert entries[0].top[0][1] >= entries[0].top[1][1] >= entries[0].top[2][1]
+    assert entries[1].top == ()
+
+
+# ---------------------------------------------------------------- the engines agree
+@pytest.mark.parametrize("name", sorted(ADJUSTED))
+def test_greedy_with_adjustments_matches_baseline(name, tiny_engine, tiny_loop, reference_prompts):
+    settings, without = ADJUSTED[name]
+    params = SamplingParams(**settings)
+    changed = 0
+    for prompt in reference_prompts[:2]:
+        base, ours = tiny_engine.generate(prompt, N_NEW, params), tiny_loop.generate(prompt, N_NEW, params)
+        assert (ours.output_ids, ours.text, ours.finish_reason) == (base.output_ids, base.text, base.finish_reason)
+        changed += base.output_ids != tiny_loop.generate(prompt, N_NEW, SamplingParams(**without)).output_ids
+    assert changed, f"{name}: the adjustment changed no answer; is it applied at all?"
+
+
+def test_seeded_sampling_with_adjustments_is_reproducible(tiny_loop, reference_prompts):
+    params = SamplingParams(temperature=1.0, seed=11, **ALL)
+    first = tiny_loop.generate(reference_prompts[0], N_NEW, params)
+    assert tiny_loop.generate(reference_prompts[0], N_NEW, params).output_ids == first.output_ids
+
+
+def test_logit_bias_forces_and_bans(tiny_engine, tiny_loop, reference_prompts):
+    prompt = reference_prompts[0]
+    plain = tiny_engine.generate(prompt, 4).output_ids
+    banned = SamplingParams(logit_bias={plain[0]: -100})
+    for engine in (tiny_engine, tiny_loop):
+        assert engine.generate(prompt, 4, banned).output_ids[0] != plain[0]
+        forced = engine.generate(prompt, 4, SamplingParams(logit_bias={30: 100}, temperature=1.0, seed=0))
+        assert forced.output_ids == [30] * 4
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.generate(prompt, 4, SamplingParams(logit_bias={engine.vocab_size: 1}))
+
+
+def test_repetition_penalty_needs_the_prompt_ids(tiny_loop):
+    with pytest.raises(ValueError, match="prompt's token ids"):
+        tiny_loop.new_sequence(SamplingParams(repetition_penalty=1.2), 4, 3)
+    seq = tiny_loop.new_sequence(SamplingParams(repetition_penalty=1.2), 4, 3, [5, 6, 7])
+    assert seq.history.prompt_seen.nonzero().flatten().tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_match_baseline_and_describe_the_chosen_tokens(k, tiny_engine, tiny_loop, reference_prompts):
+    params = SamplingParams(logprobs=k, **ALL)
+    base = tiny_engine.generate(reference_prompts[1], N_NEW, params)
+    ours = tiny_loop.generate(reference_prompts[1], N_NEW, params)
+    assert ours.output_ids == base.output_ids
+    assert [e.token_id for e in base.logprobs] == base.output_ids == [e.token_id for e in ours.logprobs]
+    for a, b in zip(base.logprobs, ours.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.logprob <= 0
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == k
+    assert tiny_loop.generate(reference_prompts[1], N_NEW).logprobs is None
+
+
+@pytest.mark.parametrize("engine_name", ["tiny_engine", "tiny_loop"])
+def test_streamed_pieces_carry_every_tokens_logprob_once(engine_name, request, reference_prompts):
+    engine = request.getfixturevalue(engine_name)
+    items = list(engine.generate_stream(reference_prompts[2], N_NEW, SamplingParams(logprobs=2, stop=["e"])))
+    result, pieces = items[-1], items[:-1]
+    carried = [e for p in pieces for e in getattr(p, "logprobs", ())]
+    assert carried == result.logprobs[:len(carried)]          # in order, none twice
+    assert len(result.logprobs) - len(carried) <= 1           # at most a textless last token (EOS) is left
+    assert "".join(pieces) == result.text
+
+
+def test_a_batch_samples_each_row_as_if_alone(tiny_loop):
+    """The decode loop's sample(): different params per row, one pass, the same tokens as row by row."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, tiny_loop.vocab_size)
+    params = [SamplingParams(**ALL, logprobs=1), SamplingParams(), SamplingParams(frequency_penalty=2.0)]
+    def fresh():
+        seqs = [tiny_loop.new_sequence(p, 8, 3, [1, 2, 3]) for p in params]
+        for s in seqs:
+            tiny_loop.accept(s, int(logits[0].argmax()), 0.0)
+        return seqs
+    together = tiny_loop.sample(logits, seqs := fresh())
+    alone = [tiny_loop.sample(logits[i:i + 1], [s])[0] for i, s in enumerate(fresh())]
+    assert together == alone
+    assert len(seqs[0].logprobs) == 1 and seqs[1].logprobs is None
