@@ -57,7 +57,7 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         params = params or SamplingParams()
         budget = params.token_budget(max_new_tokens)
         ids = self._encode_ids(prompt, budget)
-        return Request(next(self._ids), ids, self.new_sequence(params, budget, len(ids)))
+        return Request(next(self._ids), ids, self.new_sequence(params, budget, len(ids), ids))
 
     # --8<-- [start:step]
     def step(self) -> list[tuple[Request, str]]:

@@ -397,6 +397,27 @@ def test_forced_preemption_and_chunked_prefill_still_equal_the_baseline(tight, e
     assert_idle(tight)
 
 
+def test_penalties_bias_and_logprobs_survive_preemption_and_chunks(tight, expected):
+    first = expected(PROMPTS[1], 12).output_ids[0]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+              SamplingParams(logit_bias={first: -100.0}, logprobs=2), SamplingParams(logprobs=0)]
+    jobs = [(p, 16, sp) for p in PROMPTS[1:4] for sp in params]
+    with Tracer(tight, hold=True) as trace:
+        streams = [tight.submit(p, n, sp) for p, n, sp in jobs]
+        trace.release()
+        results = [result_of(s) for s in streams]
+    for (p, n, sp), got in zip(jobs, results):
+        want = expected(p, n, sp)
+        assert_same(got, want)
+        if sp.logprobs is not None:
+            assert [e.token_id for e in got.logprobs] == got.output_ids
+            assert [len(e.top) for e in got.logprobs] == [sp.logprobs] * len(got.output_ids)
+            assert got.logprobs[0].logprob == pytest.approx(want.logprobs[0].logprob, abs=1e-3)
+    assert results[1].output_ids[0] != first                                # the bias was applied
+    assert sum(s.request.preemptions for s in streams) > 0
+    assert_idle(tight)
+
+
 def test_more_prompts_than_max_num_seqs_queue_and_still_equal_the_baseline(narrow, expected):
     with Tracer(narrow) as trace:
         results = narrow.generate_batch(PROMPTS, 6)
