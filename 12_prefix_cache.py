@@ -238,6 +238,12 @@ class PrefixCachingEngine(paged.PagedEngine):
                     self.blocks.free(i)
     # --8<-- [end:run]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
+        if self.blocks.tables:
+            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
+        self.blocks = PrefixCachingBlockManager(self.pool.num_blocks, self.pool.block_size)
+
     def stats(self) -> dict:
         b = self.blocks
         return {**super().stats(), "prefix_cache_hit_rate": round(b.hit_rate, 4),

@@ -101,6 +101,8 @@ CAPTURES = [
     ], timeout_s=1800),
     # Chapter 7 (paged KV cache)
     # Chapter 8 (prefix caching)
+    Capture("12_prefix_cache", ["python 12_prefix_cache.py --threads 1 --plot book/assets/ch8-prefix-cache.png"],
+            timeout_s=2400),
     # Chapter 9 (continuous batching)
     Capture("13_continuous_batching", [
         "python 13_continuous_batching.py --plot book/assets/ch9-timeline.png",
