@@ -129,10 +129,15 @@ def measured_cache_bytes(cache: DynamicCache) -> tuple[int, int]:
 # --8<-- [end:measured]
 
 
-def window_median(run: DecodeRun, position: int, half: int = 2) -> float:
-    """Median step time over a few steps around `position` (one step alone is too noisy)."""
-    i = run.positions.index(position)
-    return statistics.median(run.step_seconds[max(0, i - half): i + half + 1])
+def window_median(run: DecodeRun, position: int, width: int = 5) -> float:
+    """Median time of `width` consecutive decode steps around `position` (one alone is too noisy).
+
+    Step 0 is the prefill and never counts; near the ends the window slides inward
+    rather than shrinking, so every row is a median of the same number of steps.
+    """
+    i, n = run.positions.index(position), len(run.step_seconds)
+    first = min(max(1, i - width // 2), max(1, n - width))
+    return statistics.median(run.step_seconds[first: first + width])
 
 
 def human(nbytes: float) -> str:
@@ -173,7 +178,7 @@ def main() -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--steps", type=int, default=128, help="tokens to decode each way")
     parser.add_argument("--repeats", type=int, default=2, help="time each step this many times, keep the fastest")
-    parser.add_argument("--plot", type=Path, default=Path("results/kv_cache.png"))
+    parser.add_argument("--plot", type=Path, default=None, help="save the latency plots here (png)")
     parser.add_argument("--json", type=Path, default=None, help="also write the measurements here")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1:
@@ -190,15 +195,22 @@ def main() -> None:
     print(f"  same greedy tokens with and without the cache: {same}")
     print(f"  text: {tokenizer.decode(cached.tokens[:24])!r} ...")
 
-    print("\n[step latency]  (median of 5 steps around each position)")
+    # --8<-- [start:table]
+    width = min(5, max(1, args.steps - 1))
+    print(f"\n[step latency]  prefill: one step; decode rows: median of {width} decode steps around the"
+          f" position; total: the {args.steps - 1} decode steps summed")
     print(f"  {'position':>8}  {'with cache':>11}  {'without':>11}  {'ratio':>6}")
-    marks = sorted({p for p in (cached.positions[0], 32, 64, 128, 192, 256) if p in cached.positions}
-                   | {cached.positions[-1]})
-    for p in marks:
-        with_c, without = window_median(cached, p), window_median(uncached, p)
+    prefill_c, prefill_u = cached.step_seconds[0], uncached.step_seconds[0]
+    print(f"  {'prefill':>8}  {prefill_c * 1e3:>8.1f} ms  {prefill_u * 1e3:>8.1f} ms  {prefill_u / prefill_c:>5.1f}x"
+          f"   (same work both ways: the whole prompt)")
+    marks = sorted({p for p in (32, 64, 128, 192, 256) if p in cached.positions[1:]} | {cached.positions[-1]})
+    for p in marks if args.steps > 1 else []:
+        with_c, without = window_median(cached, p, width), window_median(uncached, p, width)
         print(f"  {p:>8}  {with_c * 1e3:>8.1f} ms  {without * 1e3:>8.1f} ms  {without / with_c:>5.1f}x")
-    total_c, total_u = sum(cached.step_seconds), sum(uncached.step_seconds)
-    print(f"  {'total':>8}  {total_c:>9.2f} s  {total_u:>9.2f} s  {total_u / total_c:>5.1f}x")
+    total_c, total_u = sum(cached.step_seconds[1:]), sum(uncached.step_seconds[1:])
+    if args.steps > 1:   # a sum carries every slow outlier that the medians above leave out
+        print(f"  {'decode':>8}  {total_c:>9.2f} s  {total_u:>9.2f} s  {total_u / total_c:>5.1f}x   (total)")
+    # --8<-- [end:table]
 
     config, dtype = model.config, next(model.parameters()).dtype
     # --8<-- [start:check]
@@ -222,9 +234,10 @@ def main() -> None:
           f" {human(full_mha)}/token, {human(full_mha * context)} at full context"
           f" -> grouped-query attention saves {config.num_attention_heads / kv_heads:.0f}x")
 
-    plot(cached, uncached, args.plot, f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
-         f"decode with vs without the KV cache")
-    print(f"\nplot written to {args.plot}")
+    if args.plot:
+        plot(cached, uncached, args.plot, f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
+             f"decode with vs without the KV cache")
+        print(f"\nplot written to {args.plot}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

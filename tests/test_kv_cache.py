@@ -98,3 +98,22 @@ def test_repeated_timing_redoes_the_same_step(tiny, runs):
     assert tokens_cached == prompt_ids.shape[1] + 4
     assert held == kv.kv_bytes_per_token(model.config, torch.float32) * tokens_cached
     assert len(cached.step_seconds) == len(uncached.step_seconds) == 5
+
+
+def test_window_median_never_counts_the_prefill_and_keeps_its_width():
+    run = kv.DecodeRun(torch.zeros(1, 10, dtype=torch.long))
+    run.positions = list(range(10, 22))                  # step 0 (the prefill) attends over 10 tokens
+    run.step_seconds = [100.0] + [float(i) for i in range(1, 12)]
+    assert kv.window_median(run, 10) == 3.0             # steps 1..5: the window slides off the prefill
+    assert kv.window_median(run, 15) == 5.0             # steps 3..7, centred
+    assert kv.window_median(run, 21) == 9.0             # steps 7..11: slides inward at the end
+
+
+def test_main_writes_a_plot_only_when_asked(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["08_kv_cache.py", "--model", str(tiny_model_dir), "--steps", "8",
+                                     "--repeats", "1", "--device", "cpu"])
+    kv.main()
+    out = capsys.readouterr().out
+    assert "plot written" not in out and not list(tmp_path.rglob("*.png"))
+    assert "prefill" in out and "median of 5 decode steps" in out and "decode" in out
