@@ -28,6 +28,7 @@ import argparse
 import importlib
 import json
 import time
+from statistics import median
 
 import torch
 
@@ -100,48 +101,66 @@ def padding_waste(lengths: list[int], new_tokens: int) -> tuple[float, float]:
 
 
 # --8<-- [start:sweep]
-def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int) -> list[dict]:
-    """Throughput and latency against batch size, next to the sequential baseline (same model)."""
+def measure(engine: StaticBatchEngine, prompts: list[str], new_tokens: int, params: SamplingParams,
+            batched: bool) -> dict:
+    """One timed run of the whole list: throughput and mean request latency."""
+    t = time.perf_counter()
+    if batched:
+        results = engine.generate_batch(prompts, new_tokens, params)
+    else:   # Chapter 1's loop over single requests, on the same model object
+        results = engine04.BaselineEngine.generate_batch(engine, prompts, new_tokens, params)
+    elapsed = time.perf_counter() - t
+    own = [r.metrics.output_tokens / r.metrics.throughput for r in results]   # each request's own time
+    # Batched, every request runs for the whole batch; sequential, request i also waits for the i before it.
+    done = own if batched else [sum(own[: i + 1]) for i in range(len(own))]
+    return {"tokens_per_s": sum(r.metrics.output_tokens for r in results) / elapsed,
+            "latency_s": sum(done) / len(done), "results": results}
+
+
+def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats: int = 3) -> list[dict]:
+    """Throughput and latency against batch size, next to the sequential baseline (same model).
+
+    Each size runs `repeats` rounds of both ways, alternating which goes first, so a busy
+    moment on the machine hits both; the table gives medians and the range of the ratio.
+    """
     pool = engine04.reference_prompts()       # mixed lengths on purpose: padding is part of the cost
     params = SamplingParams(ignore_eos=True)  # every row produces exactly new_tokens
     engine.generate_batch(pool[:2], 2, params)  # warm-up
     table = []
     for size in sizes:
         prompts = [pool[i % len(pool)] for i in range(size)]
-        t = time.perf_counter()
-        base = engine04.BaselineEngine.generate_batch(engine, prompts, new_tokens, params)
-        t_base = time.perf_counter() - t
-        t = time.perf_counter()
-        ours = engine.generate_batch(prompts, new_tokens, params)
-        t_ours = time.perf_counter() - t
-        tokens = sum(r.metrics.output_tokens for r in ours)
-        # Sequential: request i waits for the i-1 before it, so its latency is a running sum.
-        base_done = [sum(r.metrics.output_tokens / r.metrics.throughput for r in base[: i + 1])
-                     for i in range(size)]
+        rounds = []
+        for r in range(repeats):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            rounds.append({batched: measure(engine, prompts, new_tokens, params, batched) for batched in order})
+        ratios = [x[True]["tokens_per_s"] / x[False]["tokens_per_s"] for x in rounds]
+        ours = rounds[-1][True]["results"]
         prefill_pad, decode_pad = padding_waste([r.metrics.input_tokens for r in ours], new_tokens)
         table.append({
-            "batch": size, "tokens_per_s": tokens / t_ours,
-            "baseline_tokens_per_s": sum(r.metrics.output_tokens for r in base) / t_base,
-            "latency_s": sum(r.metrics.output_tokens / r.metrics.throughput for r in ours) / size,
-            "baseline_latency_s": sum(base_done) / size,
-            "ttft_ms": sum(r.metrics.ttft_ms for r in ours) / size,
-            "tpot_ms": sum(r.metrics.tpot_ms or 0.0 for r in ours) / size,
+            "batch": size, "repeats": repeats,
+            "tokens_per_s": median([x[True]["tokens_per_s"] for x in rounds]),
+            "baseline_tokens_per_s": median([x[False]["tokens_per_s"] for x in rounds]),
+            "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "latency_s": median([x[True]["latency_s"] for x in rounds]),
+            "baseline_latency_s": median([x[False]["latency_s"] for x in rounds]),
+            "ttft_ms": median([sum(r.metrics.ttft_ms for r in x[True]["results"]) / size for x in rounds]),
+            "tpot_ms": median([sum(r.metrics.tpot_ms or 0.0 for r in x[True]["results"]) / size for x in rounds]),
             "prefill_padding": prefill_pad, "decode_padding": decode_pad,
         })
-        table[-1]["ratio"] = table[-1]["tokens_per_s"] / table[-1]["baseline_tokens_per_s"]
         print_row(table[-1])
     return table
 # --8<-- [end:sweep]
 
 
-HEADER = (f"{'batch':>5} {'tok/s':>8} {'seq tok/s':>9} {'ratio':>6} {'latency s':>9} {'seq lat s':>9} "
-          f"{'TTFT ms':>8} {'TPOT ms':>8} {'pad prefill':>11} {'pad decode':>10}")
+HEADER = (f"{'batch':>5} {'tok/s':>8} {'seq tok/s':>9} {'ratio':>6} {'(range)':>11} {'latency s':>9} "
+          f"{'seq lat s':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'pad prefill':>11} {'pad decode':>10}")
 
 
 def print_row(r: dict) -> None:
+    spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
     print(f"{r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['baseline_tokens_per_s']:>9.1f} {r['ratio']:>6.2f} "
-          f"{r['latency_s']:>9.2f} {r['baseline_latency_s']:>9.2f} {r['ttft_ms']:>8.0f} {r['tpot_ms']:>8.1f} "
-          f"{r['prefill_padding']:>11.0%} {r['decode_padding']:>10.0%}", flush=True)
+          f"{spread:>11} {r['latency_s']:>9.2f} {r['baseline_latency_s']:>9.2f} {r['ttft_ms']:>8.0f} "
+          f"{r['tpot_ms']:>8.1f} {r['prefill_padding']:>11.0%} {r['decode_padding']:>10.0%}", flush=True)
 
 
 def plot(table: list[dict], path: str) -> None:
@@ -172,16 +191,18 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per size, alternating which way goes first")
     parser.add_argument("--plot", metavar="PNG", default=None, help="save throughput/latency plots here")
     parser.add_argument("--json", metavar="PATH", default=None, help="save the table as JSON here")
     args = parser.parse_args()
-    if min(args.sizes) < 1:
-        parser.error("--sizes must be >= 1")
+    if min(args.sizes) < 1 or args.repeats < 1:
+        parser.error("--sizes and --repeats must be >= 1")
 
     engine = StaticBatchEngine(args.model, device=args.device, max_batch_size=max(args.sizes))
-    print(f"\n[Static batching vs sequential generate, {args.max_new_tokens} new tokens, ignore_eos, "
-          f"reference prompts cycled]\n{HEADER}")
-    table = sweep(engine, args.sizes, args.max_new_tokens)
+    print(f"\n[Static batching vs sequential generate, {args.max_new_tokens} new tokens, ignore_eos, reference "
+          f"prompts cycled; medians of {args.repeats} alternating rounds, (range) = the rounds' lowest-highest ratio]"
+          f"\n{HEADER}")
+    table = sweep(engine, args.sizes, args.max_new_tokens, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(engine.device), "max_new_tokens": args.max_new_tokens, "rows": table}, f,

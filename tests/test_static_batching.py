@@ -146,3 +146,12 @@ def test_real_model_batch_equals_alone(batch_mod, default_model_dir, reference_p
     for prompt, result in zip(prompts, batched):
         assert_matches_solo(engine, prompt, engine.generate(prompt, 16), result)
     assert {r.finish_reason for r in batched} == {"stop", "length"}
+
+
+def test_sweep_alternates_rounds_and_reports_the_spread(batch_mod, tiny_batch, capsys):
+    table = batch_mod.sweep(tiny_batch, [1, 3], 3, repeats=2)
+    assert [r["batch"] for r in table] == [1, 3]
+    for row in table:
+        assert row["repeats"] == 2 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+        assert row["tokens_per_s"] > 0 and row["baseline_latency_s"] > 0 and "results" not in row
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2   # one printed row per size
