@@ -54,7 +54,7 @@ class Capture:
         return "05_server.py" if self.server else (words[1] if words[0] == "python" else None)
 
 
-URL = "http://127.0.0.1:{port}"    # shown as port 8000 in the book
+URL = "http://127.0.0.1:{port}"    # shown as port 8001 in the book, the port the README uses
 JSON = "-H 'Content-Type: application/json'"
 
 CAPTURES = [
@@ -164,8 +164,8 @@ def capture(entry: Capture) -> str:
         parts = []
         for command in entry.commands:
             command = command.replace("{port}", str(port))
-            shown = _LOOPBACK.sub("127.0.0.1:8000", command)  # a stable port in the book
-            out = _LOOPBACK.sub("127.0.0.1:8000", _run(command, env, entry.timeout_s))
+            shown = _LOOPBACK.sub("127.0.0.1:8001", command)  # a stable port in the book
+            out = _LOOPBACK.sub("127.0.0.1:8001", _run(command, env, entry.timeout_s))
             parts.append(f"$ {shown}\n{out.rstrip()}\n")
         return clean("\n".join(parts))
 
