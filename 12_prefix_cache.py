@@ -135,6 +135,8 @@ class PrefixCachingBlockManager(paged.BlockManager):
     def cache_computed(self, seq_id: int, tokens: list[int]) -> None:
         """The sequence's first len(tokens) tokens now have K/V in its blocks: make every full
         block among them findable. Call it after the forward that wrote them, never before."""
+        if seq_id not in self.tables:
+            raise ValueError(f"sequence {seq_id} has no blocks (never allocated, or freed already)")
         if len(tokens) > self.lengths[seq_id]:
             raise ValueError(f"sequence {seq_id} holds slots for {self.lengths[seq_id]} tokens, not {len(tokens)}")
         done, h, serial = self.chains.get(seq_id, (0, ROOT_HASH, 0))
@@ -155,6 +157,8 @@ class PrefixCachingBlockManager(paged.BlockManager):
     def free(self, seq_id: int) -> None:
         """Blocks nobody uses go back; cached ones keep their K/V on the evictable list, the
         sequence's last blocks first in line (a prefix's root outlives its branches)."""
+        if seq_id not in self.tables:
+            raise ValueError(f"sequence {seq_id} has no blocks (never allocated, or freed already)")
         for block in reversed(self.tables.pop(seq_id)):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

@@ -19,6 +19,17 @@ BS = 4                      # small blocks: short prompts span many of them
 GREEDY = contracts.SamplingParams(ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls gain nothing from a second thread; on a busy machine its spin-waits cost a lot."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return pc.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=BS)
@@ -214,6 +225,10 @@ def test_bad_calls_are_value_errors():
         m.allocate_cached(1, [1, 2, 3])
     with pytest.raises(ValueError, match="holds slots for 3"):
         m.cache_computed(1, [1, 2, 3, 4])
+    m.free(1)
+    for call in (lambda: m.free(1), lambda: m.cache_computed(1, [1])):
+        with pytest.raises(ValueError, match="has no blocks"):
+            call()
 
 
 def test_the_server_reports_cached_tokens_like_openai(engine):
