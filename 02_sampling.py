@@ -225,6 +225,17 @@ def main() -> None:
     show(tokenizer, "top-k 3: only three survive", logits, top_k_filter(logits, 3))
     show(tokenizer, "top-p 0.8: smallest set reaching 80%", logits, top_p_filter(logits, 0.8))
 
+    def adjusted(params, history):   # one request, so a batch of one row
+        return adjust_logits(logits.unsqueeze(0), [params], [history])[0]
+
+    history = TokenHistory(tokenizer(args.prompt).input_ids, logits.numel())
+    ban = contracts.SamplingParams(logit_bias={token_id: -100})
+    show(tokenizer, f"logit_bias {{{token_id}: -100}}: the favourite is banned", logits, adjusted(ban, history))
+    history.add(token_id)             # pretend the answer so far already used the favourite twice
+    history.add(token_id)
+    show(tokenizer, "frequency_penalty 1.0 once the favourite came out twice", logits,
+         adjusted(contracts.SamplingParams(frequency_penalty=1.0), history))
+
     params = contracts.SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=args.seed)
     draws = [sample_next_token(logits, params, make_generator(params.seed)) for _ in range(3)]
     print(f"\n[seeded draw]  {params}")
