@@ -18,8 +18,10 @@ hands each request straight to its scheduler, and concurrent users share every s
 
 Defaults differ from OpenAI's on purpose: `temperature` defaults to 0 (greedy, so the
 same request gives the same answer; OpenAI's default is 1) and `max_tokens` to 128,
-capped by what is left of the context window. Like vLLM we also accept `top_k` and
-`ignore_eos`. One server, one model: `model` may be omitted or name it; any other is a 404.
+capped by what is left of the context window. Like vLLM we also accept `top_k`,
+`repetition_penalty` and `ignore_eos`. Logit bias, presence/frequency penalties and
+logprobs are honoured; tools, response_format, n > 1 and the like are a 400, never ignored.
+One server, one model: `model` may be omitted or name it; any other is a 404.
 """
 
 from __future__ import annotations
