@@ -1,0 +1,274 @@
+"""16_quantization.py - Chapter 12: fewer bytes per weight, because decode reads every one.
+
+At batch 1 a decode step multiplies one vector by every weight matrix once. The
+arithmetic is tiny; reading 538 MB of float32 weights is not. So the speed of decode
+is set by bytes read per token, and the way to go faster is to store weights in fewer:
+
+    float32   4 bytes     bf16/fp16   2 bytes (the first, simplest step: a cast)
+    int8      1 byte  + one scale per output channel (row)
+    int4      0.5 byte + a scale and a zero point per group of 32/64/128 inputs
+
+Only weights are quantised; activations, the KV cache and the norms stay as they were.
+Every format keeps two ways to multiply: a *reference* path that dequantises back to
+floats and runs an ordinary matmul (the arithmetic, in plain sight), and a *fast* path
+that hands the packed integers to torch's kernels, which dequantise inside the dot product.
+
+    python 16_quantization.py              # the table: bytes, speed, perplexity, agreement
+    python 16_quantization.py --plot ch12-quant.png
+    ENGINE_QUANT=int4 ENGINE_GROUP_SIZE=32 python 05_server.py --engine 16_quantization:QuantizedEngine
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+model10 = importlib.import_module("10_model")
+engine10 = importlib.import_module("10_model_engine")
+
+MODES = ("none", "bf16", "fp16", "int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)       # what torch's int4 kernels accept
+LINEAR_LAYERS = ("qkv", "o", "gate_up", "down")
+KERNEL_DTYPE = torch.bfloat16           # the activations the packed kernels read and write
+
+
+# --8<-- [start:int8]
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric, one scale per output channel: w[n, k] ~ q[n, k] * scale[n], q in -127..127."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127   # the row's largest |w| becomes 127
+    q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+# --8<-- [end:int8]
+
+
+# --8<-- [start:int4]
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric, per group of `group_size` inputs: w ~ (q - 8) * scale + zero, q in 0..15.
+
+    A group's range [min, max] is cut into 15 equal steps, so a lopsided group (all
+    positive, say) still gets all 16 levels. `zero` is the value the middle code 8
+    stands for; scale and zero are stored in bf16, the format the kernels read.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide the layer's {k} inputs")
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).to(torch.bfloat16)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.reshape(n, scale.shape[1], -1).float() - 8
+    return (groups * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+# --8<-- [end:int4]
+
+
+# --8<-- [start:weights]
+class QuantizedWeight:
+    """One weight matrix [out, in] in a compact format. `matmul` is x @ Wᵀ; indexing returns
+    dequantised rows, which is all an embedding lookup needs from a (tied) table."""
+
+    def __init__(self, w: torch.Tensor, path: str):
+        if path not in ("fast", "reference"):
+            raise ValueError(f"path must be 'fast' or 'reference', got {path!r}")
+        self.path = path
+        self.dtype, self.device = w.dtype, w.device   # what it hands back, as the tensor would
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "reference":   # dequantise the whole matrix, then an ordinary matmul
+            return x @ self.dequantize().to(x.dtype).T
+        return self.packed_mm(x)
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.dequantize_rows(rows).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class HalfWeight(QuantizedWeight):
+    """bf16 or fp16 storage: half the bytes, no scales. The matmul runs in that dtype."""
+
+    def __init__(self, w: torch.Tensor, dtype: torch.dtype, path: str = "fast"):
+        super().__init__(w, path)
+        self.w = w.to(dtype)
+
+    def tensors(self): return [self.w]
+    def dequantize(self): return self.w.float()
+    def dequantize_rows(self, rows): return self.w[rows]
+    def packed_mm(self, x): return (x.to(self.w.dtype) @ self.w.T).to(x.dtype)
+
+
+class Int8Weight(QuantizedWeight):
+    """Per-channel int8. Fast path: _weight_int8pack_mm (int8 weights, bf16 activations)."""
+
+    def __init__(self, w: torch.Tensor, path: str = "fast"):
+        super().__init__(w, path)
+        self.q, self.scale = quantize_int8(w)
+        self.kernel_scale = self.scale.to(KERNEL_DTYPE)
+
+    def tensors(self): return [self.q, self.scale] + ([self.kernel_scale] if self.path == "fast" else [])
+    def dequantize(self): return dequantize_int8(self.q, self.scale)
+    def dequantize_rows(self, rows): return self.q[rows].float() * self.scale[rows, None]
+
+    def packed_mm(self, x):
+        out = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.kernel_scale)
+        return out.to(x.dtype)
+# --8<-- [end:weights]
+
+
+# --8<-- [start:int4-pack]
+class Int4Weight(QuantizedWeight):
+    """Group-wise int4. The fast path keeps only the kernel's packed copy (two codes per
+    byte, in the tile order the kernel walks) and scale/zero as one [groups, out, 2] tensor."""
+
+    def __init__(self, w: torch.Tensor, group_size: int, path: str = "fast"):
+        super().__init__(w, path)
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
+        q, self.scale, self.zero = quantize_int4(w, group_size)
+        self.group_size, self.shape = group_size, tuple(w.shape)
+        if path == "reference":
+            self.q = q
+            return
+        self.scale_zero = torch.stack([self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()
+        if w.device.type == "cpu":   # the CPU kernel packs from one int32 code per weight
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:   # CUDA's tinygemm (untested here: no GPU): two codes per byte first, 8 inner k-tiles
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+        del self.scale, self.zero    # they live on in scale_zero
+
+    def tensors(self):
+        return [self.q, self.scale, self.zero] if self.path == "reference" else [self.packed, self.scale_zero]
+
+    def dequantize(self):
+        if self.path != "reference":
+            raise ValueError("a fast-path Int4Weight keeps only the kernel's packed copy; build it with "
+                             "path='reference' to dequantise")
+        return dequantize_int4(self.q, self.scale, self.zero)
+
+    def dequantize_rows(self, rows): return self.dequantize()[rows]
+
+    def packed_mm(self, x):
+        mm = (torch.ops.aten._weight_int4pack_mm_for_cpu if x.device.type == "cpu"
+              else torch.ops.aten._weight_int4pack_mm)
+        return mm(x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scale_zero).to(x.dtype)
+# --8<-- [end:int4-pack]
+
+
+# --8<-- [start:model]
+def check_settings(quant: str, group_size: int) -> None:
+    if quant not in MODES:
+        raise ValueError(f"unknown quantisation mode {quant!r} (choose from {', '.join(MODES)})")
+    if quant == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size!r}")
+
+
+def quantize_weight(w: torch.Tensor, quant: str, group_size: int, path: str):
+    if quant == "int8":
+        return Int8Weight(w, path)
+    if quant == "int4":
+        return Int4Weight(w, group_size, path)
+    return HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[quant], path)
+
+
+class QuantizedModel(model10.LlamaModel):
+    """Chapter 6's model with its matrices swapped for QuantizedWeights; linear() dispatches.
+
+    The embedding table and the LM head (one matrix when tied) are quantised only with
+    quantize_head. int4 gives them int8 instead: the head's errors land on the logits
+    directly, and the embedding needs rows it can look up, which int8 has and packed int4 has not.
+    """
+
+    @classmethod
+    def from_model(cls, model: model10.LlamaModel, quant: str, group_size: int = 64,
+                   quantize_head: bool = True, path: str = "fast") -> QuantizedModel:
+        check_settings(quant, group_size)
+        c, w = model.config, dict(model.w)
+        if quant != "none":
+            for i in range(c.num_layers):
+                for layer in LINEAR_LAYERS:
+                    name = f"model.layers.{i}.{layer}"
+                    try:
+                        w[name] = quantize_weight(model.w[name], quant, group_size, path)
+                    except ValueError as exc:
+                        raise ValueError(f"{name}: {exc}") from None
+            if quantize_head:
+                head_quant = "int8" if quant == "int4" else quant
+                w["embed"] = quantize_weight(model.w["embed"], head_quant, group_size, path)
+                w["lm_head"] = w["embed"] if c.tie_word_embeddings else quantize_weight(
+                    model.w["lm_head"], head_quant, group_size, path)
+        quantized = cls(c, w)
+        quantized.quant, quantized.group_size, quantized.quantize_head = quant, group_size, quantize_head
+        return quantized
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        w = self.w[name]
+        return w.matmul(x) if isinstance(w, QuantizedWeight) else x @ w.T
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in {id(t): t for t in self.w.values()}.values())   # tied head once
+# --8<-- [end:model]
+
+
+# --8<-- [start:engine]
+class QuantizedEngine(engine10.ModelEngine):
+    """Chapter 6's engine on a quantised model. 05_server and 06_benchmark build engines as
+    Class(model, device=...), so the mode can also come from ENGINE_QUANT (default int8),
+    ENGINE_GROUP_SIZE (default 32) and ENGINE_QUANT_HEAD (1 or 0, default 1)."""
+
+    default_quant: str | None = None   # subclasses below pin a mode for `--engine` specs
+
+    def __init__(self, model_name: str | None = None, device: str | None = None,
+                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32,
+                 kv_memory: int = engine10.DEFAULT_KV_MEMORY, quant: str | None = None,
+                 group_size: int | None = None, quantize_head: bool | None = None, path: str = "fast"):
+        quant = quant or self.default_quant or os.environ.get("ENGINE_QUANT", "int8")
+        try:
+            group_size = int(group_size or os.environ.get("ENGINE_GROUP_SIZE", 32))
+        except ValueError:
+            raise ValueError(f"ENGINE_GROUP_SIZE must be an integer, got {os.environ['ENGINE_GROUP_SIZE']!r}")
+        if quantize_head is None:
+            quantize_head = os.environ.get("ENGINE_QUANT_HEAD", "1") not in ("0", "false", "no")
+        check_settings(quant, group_size)   # refuse bad settings before loading anything
+        super().__init__(model_name, device, dtype, max_batch_size, kv_memory)
+        self.model = QuantizedModel.from_model(self.model, quant, group_size, quantize_head, path)
+        self.quant = describe(quant, group_size, quantize_head)
+        print(f"[engine] weights: {self.quant}, {self.model.weight_bytes / 1e6:.0f} MB", flush=True)
+# --8<-- [end:engine]
+
+
+class BF16Engine(QuantizedEngine):
+    default_quant = "bf16"
+
+
+class Int8Engine(QuantizedEngine):
+    default_quant = "int8"
+
+
+class Int4Engine(QuantizedEngine):
+    default_quant = "int4"
+
+
+def describe(quant: str, group_size: int, quantize_head: bool = True) -> str:
+    name = {"none": "float32"}.get(quant, quant) + (f" g{group_size}" if quant == "int4" else "")
+    if quant != "none" and not quantize_head:
+        name += ", head f32"
+    return name
+
+
+if __name__ == "__main__":
+    importlib.import_module("16_quantization_demo").main()

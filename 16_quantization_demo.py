@@ -1,0 +1,226 @@
+"""16_quantization_demo.py - Chapter 12's table: what each weight format costs and buys.
+
+For every mode: weight bytes; batch-1 and batch-32 tokens/s, measured in rounds that
+alternate the engines, so a busy machine slows all of them alike; perplexity on a
+held-out public-domain text (data/heldout_ruth_kjv.txt, never shown to the model as a
+prompt anywhere else); and greedy agreement with float32 on the reference prompts.
+
+    python 16_quantization.py                  # the table (a few minutes on a laptop CPU)
+    python 16_quantization.py --plot book/assets/ch12-quantization.png
+    python 16_quantization.py --modes none int8 int4-g32 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+setup = importlib.import_module("01_setup")
+engine04 = importlib.import_module("04_engine")
+model10 = importlib.import_module("10_model")
+engine10 = importlib.import_module("10_model_engine")
+quant16 = importlib.import_module("16_quantization")
+SamplingParams = engine04.SamplingParams
+HELDOUT_PATH = setup.REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
+DEFAULT_MODES = ["none", "bf16", "fp16", "int8", "int8-f32head", "int4-g32", "int4-g64", "int4-g64-f32head"]
+
+
+def parse_mode(spec: str) -> tuple[str, int, bool]:
+    """'int4-g64-f32head' -> ('int4', 64, False): quant, group size, quantise the head?"""
+    quant, *rest = spec.split("-")
+    group, head = 32, True
+    for part in rest:
+        if part.startswith("g") and part[1:].isdigit():
+            group = int(part[1:])
+        elif part == "f32head":
+            head = False
+        else:
+            raise ValueError(f"cannot read mode {spec!r}: expected e.g. int8, int4-g64, int4-g32-f32head")
+    quant16.check_settings(quant, group)
+    return quant, group, head
+
+
+def variant(base: engine10.ModelEngine, spec: str) -> engine10.ModelEngine:
+    """The float32 engine with its model quantised: one load, one tokenizer, many modes."""
+    quant, group, head = parse_mode(spec)
+    if quant == "none":
+        return base                                    # Chapter 6's float32 engine itself
+    engine = copy.copy(base)
+    engine.model = quant16.QuantizedModel.from_model(base.model, quant, group, head)
+    return engine
+
+
+# --8<-- [start:perplexity]
+def heldout_ids(tokenizer) -> list[int]:
+    """The held-out text's tokens; its '#' header (source and licence) is not scored."""
+    lines = HELDOUT_PATH.read_text().splitlines(keepends=True)
+    return tokenizer("".join(l for l in lines if not l.startswith("#")).strip()).input_ids
+
+
+def perplexity(model: model10.LlamaModel, ids: list[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood) of every next token, in windows of `window` tokens.
+
+    How surprised the model is by real text: quantisation noise that matters shows up
+    here as a higher number, even when greedy answers still look the same.
+    """
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start: start + window + 1]
+        inputs, targets = chunk[:-1], torch.tensor(chunk[1:], device=model.device)
+        batch = model10.RaggedBatch.build([inputs], [0], [0], len(inputs), model.device)
+        logits = model.forward(batch, model.new_cache(1, len(inputs)), all_logits=True)
+        nll += float(F.cross_entropy(logits, targets, reduction="sum"))
+        count += len(targets)
+    return math.exp(nll / count)
+# --8<-- [end:perplexity]
+
+
+# --8<-- [start:agreement]
+def agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[float, int]:
+    """Share of greedy tokens that equal float32's before the first divergence, and how
+    many prompts agree all the way. After a divergence the texts go separate ways, and
+    comparing them token by token would measure nothing."""
+    matched = 0
+    for ref, out in zip(reference, outputs):
+        same = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+        matched += same
+    identical = sum(ref == out for ref, out in zip(reference, outputs))
+    return matched / sum(map(len, reference)), identical
+
+
+def greedy_ids(engine, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    results = engine.generate_batch(prompts, max_new_tokens, SamplingParams(ignore_eos=True))
+    return [r.output_ids for r in results]
+# --8<-- [end:agreement]
+
+
+# --8<-- [start:speed]
+def measure_speed(engines: dict, prompt: str, batch_prompts: list[str], max_new_tokens: int,
+                  rounds: int) -> dict[str, tuple[float, float | None]]:
+    """Median tokens/s at batch 1 and batch 32 for every engine, engines alternating in each round."""
+    params = SamplingParams(ignore_eos=True)
+    one, many = {name: [] for name in engines}, {name: [] for name in engines}
+    for name, engine in engines.items():           # warm-up: first calls pay for lazy set-up
+        engine.generate(prompt, 4, params)
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            n = engine.generate(prompt, max_new_tokens, params).metrics.output_tokens
+            one[name].append(n / (time.perf_counter() - t0))
+            if not isinstance(engine, engine10.ModelEngine):
+                continue                           # HF generate: the batch-1 anchor only
+            t0 = time.perf_counter()
+            n = sum(r.metrics.output_tokens for r in engine.generate_batch(batch_prompts, max_new_tokens, params))
+            many[name].append(n / (time.perf_counter() - t0))
+    return {name: (statistics.median(one[name]), statistics.median(many[name]) if many[name] else None)
+            for name in engines}
+# --8<-- [end:speed]
+
+
+def print_table(rows: list[dict]) -> None:
+    first = rows[0]
+    print(f"\n  {'mode':<22}{'weights':>9}{'batch-1 tok/s':>20}{'batch-32 tok/s':>21}"
+          f"{'perplexity':>18}{'agreement':>16}")
+    for r in rows:
+        b1 = f"{r['b1']:.1f} ({r['b1'] / first['b1']:.2f}x)"
+        b32 = f"{r['b32']:.0f} ({r['b32'] / first['b32']:.2f}x)" if r.get("b32") else "-"
+        ppl = f"{r['ppl']:.3f} ({100 * (r['ppl'] / first['ppl'] - 1):+.1f}%)" if r.get("ppl") else "-"
+        agree = f"{100 * r['agree']:.0f}% ({r['identical']}/{r['prompts']})" if r.get("agree") is not None else "-"
+        print(f"  {r['name']:<22}{r['mb']:>6.0f} MB{b1:>20}{b32:>21}{ppl:>18}{agree:>16}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("ppl")]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for key, marker, label in (("b1", "o", "batch 1"), ("b32", "s", "batch 32 (tokens/s / 10)")):
+        xs = [r[key] / (10 if key == "b32" else 1) for r in rows]
+        ax.scatter(xs, [r["ppl"] for r in rows], marker=marker, label=label)
+        if key == "b1":
+            for r, x in zip(rows, xs):
+                ax.annotate(r["name"], (x, r["ppl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("tokens/s (higher is better)")
+    ax.set_ylabel("perplexity on held-out text (lower is better)")
+    ax.set_title("Chapter 12: speed against quality, one weight format per point")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\n[plot] {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 12: weight formats measured side by side.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
+                        help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating speed rounds (median is shown)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate batch-1 anchor")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="speed against perplexity")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
+    args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    try:
+        specs = list(args.modes)
+        for spec in specs:
+            parse_mode(spec)
+        if specs[0] != "none":
+            specs.insert(0, "none")                # float32 is what every ratio is against
+        base = engine10.ModelEngine(args.model, device="cpu")
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    engines = {}
+    for spec in specs:
+        engines[quant16.describe(*parse_mode(spec))] = variant(base, spec)
+    hf = None if args.no_hf else engine04.BaselineEngine(args.model, device="cpu")
+    tok = base.tokenizer
+    prompt = engine04.render_chat(tok, [{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    refs = engine04.reference_prompts()
+    batch_prompts = (refs * 5)[:32]
+    print("[speed] alternating rounds ...", file=sys.stderr, flush=True)
+    speed = measure_speed({**engines, **({"HF generate (float32)": hf} if hf else {})}, prompt, batch_prompts,
+                          args.max_new_tokens, args.rounds)
+
+    ids, rows = heldout_ids(tok), []
+    reference = greedy_ids(base, refs, args.max_new_tokens)
+    for name, engine in engines.items():
+        print(f"[quality] {name}", file=sys.stderr, flush=True)
+        share, identical = agreement(reference, greedy_ids(engine, refs, args.max_new_tokens))
+        rows.append({"name": name, "mb": engine.model.weight_bytes / 1e6, "b1": speed[name][0],
+                     "b32": speed[name][1], "ppl": perplexity(engine.model, ids), "agree": share,
+                     "identical": identical, "prompts": len(refs)})
+    if hf:
+        mb = sum(p.numel() * p.element_size() for p in hf.model.parameters()) / 1e6
+        rows.append({"name": "HF generate (float32)", "mb": mb, "b1": speed["HF generate (float32)"][0]})
+    print(f"\n[Chapter 12] {setup.DEFAULT_MODEL if args.model is None else args.model} on "
+          f"{torch.get_num_threads()} CPU threads; perplexity over {len(ids)} held-out tokens; agreement over "
+          f"{len(refs)} reference prompts x {args.max_new_tokens} greedy tokens; speed: median of "
+          f"{args.rounds} alternating rounds, {args.max_new_tokens} new tokens, ratios to float32")
+    print_table(rows)
+    if hf:
+        ours = {r["name"]: r["b1"] for r in rows}
+        best = max((n for n in ours if n.startswith("int4")), key=ours.get, default=None)
+        if best:
+            print(f"\n  {best} vs HF generate at batch 1: {ours[best] / ours['HF generate (float32)']:.2f}x "
+                  f"(the issue's llama.cpp Q4_1 anchor, measured once on this machine: 137 / 20.8 = 6.6x)")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

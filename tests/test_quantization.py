@@ -1,0 +1,170 @@
+"""Chapter 12: weight formats round-trip within their bounds, the packed kernels agree
+with the dequantise-then-matmul reference, and quantised engines stay close to float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_script
+
+quant16 = load_script("16_quantization")
+demo16 = load_script("16_quantization_demo")
+engine04 = load_script("04_engine")
+model10 = load_script("10_model")
+
+
+def random_weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
+    """Gaussian weights with the features that make quantisation hard: an outlier, a lopsided row."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[3, 5] = 1.0             # one outlier stretches its row's (int8) or group's (int4) scale
+    w[7] = w[7].abs() + 0.3   # an all-positive row: asymmetric int4 still uses all 16 levels
+    return w
+
+
+def test_int8_round_trip_within_half_a_step():
+    w = random_weight()
+    q, scale = quant16.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (w.shape[0],)
+    assert int(q.abs().max()) == 127                               # the row maximum uses the full range
+    error = (quant16.dequantize_int8(q, scale) - w).abs()
+    assert bool((error <= scale[:, None] / 2 * (1 + 1e-5)).all())  # rounding to the nearest step
+
+
+@pytest.mark.parametrize("group_size", quant16.GROUP_SIZES)
+def test_int4_round_trip_within_half_a_step_per_group(group_size):
+    w = random_weight()
+    q, scale, zero = quant16.quantize_int4(w, group_size)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert scale.shape == zero.shape == (w.shape[0], w.shape[1] // group_size)
+    error = (quant16.dequantize_int4(q, scale, zero) - w).abs()
+    # Half a step, plus what storing the zero point in bf16 (8 significant bits) may shift a clamped end.
+    bound = scale.float() / 2 * (1 + 1e-5) + zero.float().abs() * 2 ** -9
+    assert bool((error <= bound.repeat_interleave(group_size, dim=1)).all())
+    assert float(error.mean()) < float(scale.float().mean()) / 3   # mostly well inside the bound
+
+
+def make(kind: str, w: torch.Tensor, path: str):
+    if kind in ("bf16", "fp16"):
+        return quant16.HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[kind], path)
+    if kind == "int8":
+        return quant16.Int8Weight(w, path)
+    return quant16.Int4Weight(w, int(kind.removeprefix("int4-g")), path)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8"] + [f"int4-g{g}" for g in quant16.GROUP_SIZES])
+@pytest.mark.parametrize("tokens", [1, 7, 32])
+def test_fast_path_equals_reference_path(kind, tokens):
+    """The kernels read bf16 activations and write bf16 results (8 significant bits), so each
+    product in a dot product may be off by ~2^-8 relative: the bound is 2^-7 of sum |x||w|."""
+    w = random_weight()
+    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(1))
+    fast, reference = make(kind, w, "fast"), make(kind, w, "reference")
+    exact = x.double() @ reference.dequantize().double().T
+    scale = x.abs().double() @ reference.dequantize().abs().double().T
+    assert float(((reference.matmul(x).double() - exact).abs() / scale).max()) < 1e-5   # float32 matmul
+    got = fast.matmul(x)
+    assert got.dtype == x.dtype and got.shape == (tokens, w.shape[0])
+    assert float(((got.double() - exact).abs() / scale).max()) < 2 ** -7
+
+
+def test_fast_int4_is_smaller_than_reference_and_int8():
+    w = random_weight()
+    int4, int8 = quant16.Int4Weight(w, 32), quant16.Int8Weight(w)
+    # packed int4: half a byte per weight, plus bf16 scale and zero per 32 weights (5 bits in all)
+    assert int4.nbytes == w.numel() // 2 + w.numel() // 32 * 4
+    assert int4.nbytes < int8.nbytes < w.numel() * 4
+    with pytest.raises(ValueError, match="packed"):
+        int4.dequantize()
+
+
+def test_embedding_rows_come_from_the_int8_table():
+    w = random_weight()
+    table, rows = quant16.Int8Weight(w), torch.tensor([0, 7, 3, 7])
+    assert torch.equal(table[rows], table.dequantize()[rows])
+    assert table[rows].dtype == torch.float32
+
+
+@pytest.mark.parametrize("quant,group_size", [("int8", 32), ("int4", 32), ("bf16", 32), ("fp16", 32)])
+def test_quantized_model_fast_equals_reference_logits(tiny_model_dir, quant, group_size):
+    base = model10.LlamaModel.from_folder(tiny_model_dir)
+    fast = quant16.QuantizedModel.from_model(base, quant, group_size)
+    reference = quant16.QuantizedModel.from_model(base, quant, group_size, path="reference")
+    ids = list(range(100, 140))
+    batch = model10.RaggedBatch.build([ids], [0], [0], len(ids))
+    got = fast.forward(batch, fast.new_cache(1, len(ids)), all_logits=True)
+    want = reference.forward(batch, reference.new_cache(1, len(ids)), all_logits=True)
+    exact = base.forward(batch, base.new_cache(1, len(ids)), all_logits=True)
+    assert float((got - want).abs().max()) < 0.06 * float(want.abs().max())   # bf16 activations, 2 layers
+    assert not torch.equal(want, exact)   # how close to float32 is the real model's question (below)
+    assert fast.weight_bytes < base.weight_bytes / (1.9 if quant in ("bf16", "fp16") else 3.5)
+
+
+def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch):
+    """06_benchmark and 05_server build Class(model, device=...): the mode comes from the environment."""
+    monkeypatch.setenv("ENGINE_QUANT", "int4")
+    monkeypatch.setenv("ENGINE_GROUP_SIZE", "64")
+    monkeypatch.setenv("ENGINE_QUANT_HEAD", "0")
+    engine = engine04.load_engine("16_quantization:QuantizedEngine", str(tiny_model_dir), device="cpu")
+    assert engine.quant == "int4 g64, head f32"
+    assert isinstance(engine.model.w["model.layers.0.qkv"], quant16.Int4Weight)
+    assert isinstance(engine.model.w["lm_head"], torch.Tensor)
+    result = engine.generate("The capital of France is", 5, engine04.SamplingParams(ignore_eos=True))
+    assert len(result.output_ids) == 5 and result.metrics.tpot_ms is not None
+    batch = engine.generate_batch(["Hello", "The capital of France is"], 4,
+                                  engine04.SamplingParams(ignore_eos=True))
+    assert [len(r.output_ids) for r in batch] == [4, 4]
+    monkeypatch.delenv("ENGINE_QUANT_HEAD")
+    int8 = engine04.load_engine("16_quantization:Int8Engine", str(tiny_model_dir), device="cpu")
+    assert int8.quant == "int8" and isinstance(int8.model.w["embed"], quant16.Int8Weight)
+
+
+def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
+    with pytest.raises(ValueError, match="unknown quantisation mode"):
+        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int3")
+    with pytest.raises(ValueError, match="group size must be one of"):
+        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=48)
+    # The tiny model's layers have 64 inputs: groups of 128 cannot tile them.
+    with pytest.raises(ValueError, match=r"layers\.0\.qkv: int4 group size 128 does not divide the layer's 64"):
+        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=128)
+    with pytest.raises(ValueError, match="does not divide"):
+        quant16.quantize_int4(torch.randn(8, 100), 32)
+    monkeypatch.setenv("ENGINE_GROUP_SIZE", "many")
+    with pytest.raises(ValueError, match="ENGINE_GROUP_SIZE"):
+        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4")
+    with pytest.raises(ValueError, match="path must be"):
+        quant16.Int8Weight(torch.randn(4, 32), path="quick")
+    with pytest.raises(ValueError, match="cannot read mode"):
+        demo16.parse_mode("int4-q32")
+
+
+def test_agreement_counts_tokens_before_the_first_divergence():
+    share, identical = demo16.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert share == (2 + 4) / 8 and identical == 1
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary(tiny_model_dir):
+    """All-zero weights give equal logits for every token: perplexity must be exactly the vocab size."""
+    base = model10.LlamaModel.from_folder(tiny_model_dir)
+    zeros = model10.LlamaModel(base.config, {k: torch.zeros_like(v) for k, v in base.w.items()})
+    assert demo16.perplexity(zeros, list(range(50)), window=16) == pytest.approx(base.config.vocab_size, rel=1e-4)
+
+
+@pytest.mark.real_model
+def test_real_model_int8_and_int4_stay_close_to_float32(default_model_dir, reference_prompts):
+    """Measured on SmolLM2-135M: over the first 1,024 held-out tokens, greedy on the 7 reference
+    prompts x 16 tokens. The full table (all tokens, more modes) is `python 16_quantization.py`."""
+    base = load_script("10_model_engine").ModelEngine(str(default_model_dir), device="cpu")
+    ids = demo16.heldout_ids(base.tokenizer)[:1025]
+    float_ppl = demo16.perplexity(base.model, ids)
+    reference = demo16.greedy_ids(base, reference_prompts, 16)
+    for spec, ppl_tolerance in (("int8", 0.02), ("int4-g32", 0.10)):
+        engine = demo16.variant(base, spec)
+        ppl = demo16.perplexity(engine.model, ids)
+        share, identical = demo16.agreement(reference, demo16.greedy_ids(engine, reference_prompts, 16))
+        print(f"{spec}: perplexity {ppl:.3f} vs float32 {float_ppl:.3f} ({100 * (ppl / float_ppl - 1):+.2f}%), "
+              f"agreement {100 * share:.0f}%, identical {identical}/{len(reference_prompts)}")
+        assert abs(ppl / float_ppl - 1) < ppl_tolerance
+        if spec == "int8":
+            assert identical > len(reference_prompts) / 2   # most prompts: the same greedy tokens
