@@ -241,3 +241,16 @@ def test_the_server_reports_cached_tokens_like_openai(engine):
     details = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
     assert details[0] == 0 and details[1] >= 16
     assert bodies[1]["metrics"]["cached_tokens"] == details[1]
+
+
+@pytest.mark.real_model
+def test_real_model_with_cache_hits_equals_the_baseline(real_engine, default_model_dir, reference_prompts):
+    ours = pc.PrefixCachingEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20)
+    long = max(reference_prompts, key=len)
+    cached = []
+    for prompt in (long, long, long + " The next morning"):        # a miss, a full hit, an extension
+        got = ours.generate(prompt, 16)
+        assert got.output_ids == real_engine.generate(prompt, 16).output_ids
+        cached.append(got.metrics.cached_tokens)
+    n = len(ours.tokenizer(long).input_ids)
+    assert cached[0] == 0 and cached[1] == (n - 1) // 16 * 16 and cached[2] >= cached[1]
