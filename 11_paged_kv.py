@@ -23,6 +23,7 @@ table. The model's forward is unchanged: it only asks the cache for each sequenc
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import itertools
 import time
@@ -56,10 +57,13 @@ class KVPool:
                              f"got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        # zeros, not empty: a padded block-table entry may be read (then masked), and
-        # uninitialised memory can hold NaN bit patterns, which survive a zero weight.
+        # zeros, not empty: the slots of a last block past its sequence's end are read (then
+        # masked), and uninitialised memory can hold NaN bit patterns, which survive a zero weight.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # Where context() copies a batch's blocks: two buffers reused by every layer and every step
+        # (fresh ones per layer cost more in page faults than the copy itself). Zeros, for the same reason.
+        self.scratch = [torch.zeros(0, block_size * shape[1] * shape[2], dtype=dtype, device=device)] * 2
 
     @classmethod
     def from_memory(cls, config: model10.ModelConfig, kv_memory: int, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -76,18 +80,24 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def context(self, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's keys and values gathered through its block table: [seqs, ctx, kv_heads, head_dim].
+        """Each sequence's keys and values read through its block table: [seqs, ctx, kv_heads, head_dim].
 
-        The gather copies whole blocks (index_select on the block dimension). A GPU paged-
-        attention kernel avoids even that copy by reading the blocks in place.
+        Attention wants one rectangle, so the blocks are copied into one, each sequence
+        copying only the blocks it has (a GPU paged-attention kernel reads them in place).
         """
         n, width = batch.block_tables.shape
-        blocks = batch.block_tables.flatten()
+        shape = (n, width * self.block_size, *self.k[layer].shape[1:])
+        pages = [flat.view(self.num_blocks, -1) for flat in (self.k[layer], self.v[layer])]   # a row per block
+        if batch.first_of_run is not None:   # one sequence in consecutive blocks: a view, no copy
+            first = batch.first_of_run
+            return tuple(p[first: first + width].view(shape)[:, :batch.context_len] for p in pages)
+        if self.scratch[0].shape[0] < n * width:
+            self.scratch = [self.scratch[0].new_zeros(n * width, self.scratch[0].shape[1]) for _ in range(2)]
         out = []
-        for flat in (self.k[layer], self.v[layer]):
-            paged = flat.view(self.num_blocks, self.block_size, *flat.shape[1:])
-            gathered = paged.index_select(0, blocks).view(n, width * self.block_size, *flat.shape[1:])
-            out.append(gathered[:, :batch.context_len])
+        for blocks, scratch in zip(pages, self.scratch):
+            for i, table in enumerate(batch.row_tables):
+                torch.index_select(blocks, 0, table, out=scratch[i * width: i * width + len(table)])
+            out.append(scratch[:n * width].view(shape)[:, :batch.context_len])
         return out[0], out[1]
 # --8<-- [end:pool]
 
@@ -98,6 +108,7 @@ class PagedBatch(model10.RaggedBatch):
     """Chapter 6's ragged batch, with slots and context read through block tables."""
 
     block_tables: torch.Tensor | None = None    # [seqs, blocks covering the longest context]
+    block_counts: list[int] | None = None       # blocks each sequence's context really covers
 
     @classmethod
     def from_tables(cls, new_tokens: list[list[int]], tables: list[list[int]], starts: list[int],
@@ -108,15 +119,29 @@ class PagedBatch(model10.RaggedBatch):
         needed = [-(-(s + n) // block_size) for s, n in zip(starts, lengths)]   # ceil division
         if any(k > len(t) for k, t in zip(needed, tables)):
             raise ValueError("a sequence's new tokens run past the blocks allocated to it")
-        positions = [s + j for s, n in zip(starts, lengths) for j in range(n)]
-        slots = [t[p // block_size] * block_size + p % block_size
-                 for t, s, n in zip(tables, starts, lengths) for p in range(s, s + n)]
-        # Rows shorter than the widest are padded with their own first block: read, then masked.
+        # Rows shorter than the widest are padded with their own first block; context() skips the padding.
         width = max(needed)
-        padded = [t[:k] + [t[0]] * (width - k) for t, k in zip(tables, needed)]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor([t for seq in new_tokens for t in seq]), as_tensor(positions), as_tensor(slots),
-                   list(range(len(lengths))), list(starts), lengths, as_tensor(padded))
+        padded = torch.tensor([t[:k] + [t[0]] * (width - k) for t, k in zip(tables, needed)], dtype=torch.long)
+        # The slot mapping, for every new token at once: block table[p // block_size], offset p % block_size.
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        slots = padded[seq, positions // block_size] * block_size + positions % block_size
+        tokens = torch.tensor([t for ids in new_tokens for t in ids], dtype=torch.long)
+        return cls(tokens.to(device), positions.to(device), slots.to(device), list(range(len(lengths))),
+                   list(starts), lengths, padded.to(device), needed)
+
+    # Facts of the batch that every layer's context() needs: computed once per forward.
+    @functools.cached_property
+    def row_tables(self) -> list[torch.Tensor]:
+        return [self.block_tables[i, :k] for i, k in enumerate(self.block_counts)]
+
+    @functools.cached_property
+    def first_of_run(self) -> int | None:
+        """For a lone sequence whose blocks are consecutive in the pool: its first block."""
+        if len(self.lengths) > 1:
+            return None
+        table = self.block_tables[0].tolist()
+        return table[0] if table == list(range(table[0], table[0] + len(table))) else None
 # --8<-- [end:batch]
 
 
@@ -125,6 +150,9 @@ class BlockManager:
     """Which pool block belongs to whom. Pure bookkeeping: it never touches a tensor."""
 
     def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a block manager needs num_blocks >= 1 and block_size >= 1, "
+                             f"got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_blocks = collections.deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
@@ -143,6 +171,11 @@ class BlockManager:
         borrowed from another sequence) fit in the free blocks right now?"""
         return self.blocks_for(num_tokens) - shared <= self.num_free
 
+    def _known(self, seq_id: int) -> int:
+        if seq_id not in self.tables:
+            raise ValueError(f"sequence {seq_id} has no blocks (never allocated, or freed already)")
+        return seq_id
+
     def _take(self) -> int:
         if not self.free_blocks:
             raise PoolFullError(f"the KV pool is full: all {self.num_blocks} blocks of "
@@ -158,12 +191,13 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if num_tokens < 1 or len(shared) * self.block_size > num_tokens:
             raise ValueError(f"cannot allocate {num_tokens} tokens with {len(shared)} shared blocks")
+        bad = [b for b in shared if not 0 <= b < self.num_blocks or self.ref_counts[b] < 1]
+        if bad or len(set(shared)) < len(shared):
+            raise ValueError(f"shared blocks {list(shared)} must be distinct blocks in use (bad: {bad})")
         if not self.can_allocate(num_tokens, len(shared)):
             raise PoolFullError(f"{self.blocks_for(num_tokens) - len(shared)} blocks needed, "
                                 f"{self.num_free} free of {self.num_blocks}")
-        for block in shared:
-            if self.ref_counts[block] < 1:
-                raise ValueError(f"block {block} is not in use: nothing to share")
+        for block in shared:     # checked first, so a refusal leaves every count as it was
             self.ref_counts[block] += 1
         table = list(shared) + [self._take() for _ in range(self.blocks_for(num_tokens) - len(shared))]
         self.tables[seq_id], self.lengths[seq_id] = table, num_tokens
@@ -171,7 +205,7 @@ class BlockManager:
 
     def append_slot(self, seq_id: int) -> int:
         """Room for one more token; a new block only when the last one is full. Returns its slot."""
-        table, n = self.tables[seq_id], self.lengths[seq_id]
+        table, n = self.tables[self._known(seq_id)], self.lengths[seq_id]
         if n == len(table) * self.block_size:
             table.append(self._take())          # PoolFullError leaves the table unchanged
         self.lengths[seq_id] = n + 1
@@ -180,7 +214,7 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         """Give back a finished (or aborted, or preempted) sequence's blocks; shared ones stay
         in use until their last owner lets go."""
-        for block in self.tables.pop(seq_id):
+        for block in self.tables.pop(self._known(seq_id)):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks.append(block)
