@@ -47,7 +47,7 @@ def block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     """One number for a whole prefix: the parent's hash already stands for every earlier token.
 
     Python's tuple hash of ints is deterministic and 64 bits wide. Collisions are possible
-    (vLLM moved to SHA-256 to make them negligible); ours are caught by `CachedBlock` below.
+    (vLLM now hashes with SHA-256 or xxHash to make them rare); ours are caught by `CachedBlock`.
     """
     return hash((parent_hash, tokens))
 
