@@ -11,6 +11,14 @@ request, and summarise latency as mean and p50/p90/p99: the slow tail is what us
     python 06_benchmark_offline.py --batch --batch-size 8   # time generate_batch instead
     python 06_benchmark_offline.py --engine 04_engine:BaselineEngine \\
         --engine 07_decode_loop:DecodeLoopEngine --json results/offline.json --plot results/offline.png
+    python 06_benchmark_offline.py --workload mixed --ignore-eos --runs 1 \\
+        --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine \\
+        --engine 13_continuous_batching:ContinuousBatchingEngine --batch StaticBatchEngine
+
+`--workload mixed` is Chapter 9's: 32 requests with the prompt lengths and budgets of
+`data/mixed_workload.json`, each with its own max_new_tokens. An engine with an engine
+loop (`submit`) gets them all at once; an engine named by `--batch` runs static batches
+that last as long as their largest budget; any other engine runs them one by one.
 """
 
 from __future__ import annotations

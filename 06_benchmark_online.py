@@ -15,6 +15,14 @@ time to first token (TTFT), the gaps between tokens (ITL), and the whole request
 Load patterns: with neither flag, requests go one after another. `--concurrency C`
 keeps at most C in flight. `--request-rate R` releases them at random, seeded
 times (a Poisson process, R per second on average), like independent users would.
+
+    python 06_benchmark_online.py --workload mixed --concurrency 32 --runs 1 --ignore-eos \\
+        --engine 04_engine:BaselineEngine --engine 13_continuous_batching:ContinuousBatchingEngine
+
+`--workload mixed` sends Chapter 9's mixed lengths (plain-text completions, each with its
+own max_tokens). Besides throughput, goodput: the share and the rate of requests that met
+a service-level objective, first token within `--slo-ttft-ms` (default 1000) and, if
+given, later tokens `--slo-tpot-ms` apart. Several servers run side by side, measured in turn.
 """
 
 from __future__ import annotations
