@@ -149,6 +149,31 @@ def test_cached_tokens_are_reported_and_the_cache_fills_up(engine):
     assert 0 < stats["prefix_cache_hit_rate"] < 1
 
 
+def test_seeded_sampling_is_the_same_with_the_cache_on_and_off(engine):
+    fresh_cache(engine)
+    prompt, params = "Tell me a story about a lighthouse keeper. " * 3, contracts.SamplingParams(
+        temperature=0.9, top_p=0.95, seed=11)
+    engine.generate(prompt + "Begin.", 4)                            # caches the shared part
+    engine.prefix_caching = False
+    try:
+        off = engine.generate(prompt + "Go on.", 12, params)
+    finally:
+        engine.prefix_caching = True
+    on = engine.generate(prompt + "Go on.", 12, params)
+    assert on.metrics.cached_tokens > 0 and on.output_ids == off.output_ids
+
+
+def test_an_abandoned_stream_leaves_every_block_free_or_evictable(engine):
+    fresh_cache(engine)
+    stream = engine.generate_stream("A long answer, please: " * 4, 40, GREEDY)
+    next(stream)
+    assert engine.blocks.tables                                      # it is running
+    stream.close()
+    m = engine.blocks
+    assert not m.tables and len(m.free_blocks) + len(m.evictable) == m.num_blocks
+    check_invariants(m)
+
+
 def test_eviction_under_a_small_pool_keeps_outputs_right(engine):
     small = engine
     small.blocks = pc.PrefixCachingBlockManager(12, BS)     # 48 token slots: the cache must evict
