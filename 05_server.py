@@ -571,9 +571,9 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         metrics = [r.metrics.as_dict() for r in results]
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model_name,
-            "choices": [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
-                         "logprobs": None if r.logprobs is None else completion_logprobs(engine.tokenizer, r.logprobs)}
-                        for i, r in enumerate(results)],
+            "choices": [{"index": i, "text": r.text,
+                         "logprobs": None if r.logprobs is None else completion_logprobs(engine.tokenizer, r.logprobs),
+                         "finish_reason": r.finish_reason} for i, r in enumerate(results)],
             "usage": usage(results),
             "metrics": metrics[0] if isinstance(req.prompt, str) else metrics,
         }
