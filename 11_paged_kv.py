@@ -14,7 +14,9 @@ memory:
 
 Attention writes each new key/value to its slot (block * block_size + offset, Chapter 6's
 slot mapping with pages instead of rows) and reads a sequence's keys through its block
-table. The model's forward is unchanged: it only asks the cache for each sequence's context.
+table. The model's forward is unchanged: it only asks the cache for each sequence's context,
+which here means copying the sequence's blocks into the rectangle SDPA wants (a GPU
+paged-attention kernel reads them where they lie instead).
 
     python 11_paged_kv.py                       # capacity: contiguous vs paged, live block tables
     python 11_paged_kv.py --plot ch7-paged.png  # the same as a picture for the book
@@ -78,7 +80,9 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+    # --8<-- [end:pool]
 
+    # --8<-- [start:context]
     def context(self, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's keys and values read through its block table: [seqs, ctx, kv_heads, head_dim].
 
@@ -99,7 +103,7 @@ class KVPool:
                 torch.index_select(blocks, 0, table, out=scratch[i * width: i * width + len(table)])
             out.append(scratch[:n * width].view(shape)[:, :batch.context_len])
         return out[0], out[1]
-# --8<-- [end:pool]
+    # --8<-- [end:context]
 
 
 # --8<-- [start:batch]
@@ -250,8 +254,8 @@ class PagedEngine(engine10.ModelEngine):
     def run(self, prompts: list[list[int]], seqs: list) -> collections.abc.Iterator[list[str]]:
         """Chapter 6's loop; the cache is the pool, and blocks come and go with the tokens."""
         ids = [next(self._ids) for _ in seqs]
-        tables = [self.blocks.allocate(i, len(p)) for i, p in zip(ids, prompts)]
         try:
+            tables = [self.blocks.allocate(i, len(p)) for i, p in zip(ids, prompts)]
             batch = PagedBatch.from_tables(prompts, tables, [0] * len(seqs), self.pool.block_size, self.device)
             logits, live = self.model.forward(batch, self.pool), list(range(len(seqs)))
             while True:

@@ -45,26 +45,30 @@ def load_workload() -> dict:
 
 
 # --8<-- [start:capacity]
-def capacity(workload: dict, kv_memory: int, bytes_per_token: int, block_size: int) -> dict:
-    """How many of the workload's sequences (at their full length) fit in kv_memory, three ways."""
+def slots_per_request(workload: dict, block_size: int) -> dict[str, list[int]]:
+    """KV slots each request of the workload ties up, three ways, when it is at its longest."""
     reqs = workload["requests"]
     max_len = workload["max_prompt_tokens"] + max(workload["max_tokens_choices"])
     tokens = [r["prompt_tokens"] + r["output_tokens"] for r in reqs]     # what each really holds
-    reserved = {
+    return {
         "max-length regions": [max_len] * len(reqs),
         "per-request regions": [r["prompt_tokens"] + r["max_tokens"] for r in reqs],
         f"pages of {block_size}": [-(-t // block_size) * block_size for t in tokens],
     }
+
+
+def capacity(workload: dict, kv_memory: int, bytes_per_token: int, block_size: int) -> dict:
+    """How many of the workload's sequences (at their full length) fit in kv_memory, three ways."""
+    tokens = [r["prompt_tokens"] + r["output_tokens"] for r in workload["requests"]]
     budget_tokens = kv_memory // bytes_per_token
     out = {}
-    for name, slots in reserved.items():
+    for name, slots in slots_per_request(workload, block_size).items():
         fits, used = 0, 0
         for s in itertools.cycle(slots):     # requests keep arriving in workload order
             if used + s > budget_tokens:
                 break
             fits, used = fits + 1, used + s
-        mean_slots = sum(slots) / len(slots)
-        out[name] = {"fits": fits, "slots_per_seq": mean_slots,
+        out[name] = {"fits": fits, "slots_per_seq": sum(slots) / len(slots),
                      "waste": 1 - sum(tokens) / sum(slots)}
     return out
 # --8<-- [end:capacity]
@@ -105,19 +109,18 @@ def plot(table: dict, workload: dict, bytes_per_token: int, block_size: int,
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
     reqs = workload["requests"]
-    max_len = workload["max_prompt_tokens"] + max(workload["max_tokens_choices"])
-    n = list(range(1, len(reqs) + 1))
-    per_seq = {
-        "max-length regions": [max_len] * len(reqs),
-        "per-request regions": [r["prompt_tokens"] + r["max_tokens"] for r in reqs],
-        f"pages of {block_size}": [-(-(r["prompt_tokens"] + r["output_tokens"]) // block_size) * block_size
-                                   for r in reqs],
-        "tokens actually held": [r["prompt_tokens"] + r["output_tokens"] for r in reqs],
-    }
+    per_seq = {**slots_per_request(workload, block_size),
+               "tokens actually held": [r["prompt_tokens"] + r["output_tokens"] for r in reqs]}
+    n = list(range(1, max(row["fits"] for row in table.values()) * 5 // 4 + 1))   # past the last that fits
     for name, slots in per_seq.items():
-        used = [sum(slots[:k]) * bytes_per_token / 2**20 for k in n]
-        left.plot(n, used, label=name, linestyle=":" if name.startswith("tokens") else "-")
+        used = list(itertools.accumulate(slots[(k - 1) % len(slots)] * bytes_per_token / 2**20 for k in n))
+        fits = table[name]["fits"] if name in table else None
+        line, = left.plot(n, used, label=f"{name}: {fits} fit" if fits else name,
+                          linestyle=":" if fits is None else "-")
+        if fits:                     # the last request that still fits in the pool
+            left.plot(fits, used[fits - 1], "o", color=line.get_color())
     left.axhline(kv_memory / 2**20, color="grey", linestyle="--", label=f"pool: {kv_memory / 2**20:.0f} MiB")
+    left.set_ylim(0, kv_memory / 2**20 * 1.6)
     left.set(xlabel="concurrent requests", ylabel="KV cache reserved (MiB)",
              title="Memory for the mixed workload")
     left.legend()

@@ -326,6 +326,16 @@ def test_an_abandoned_stream_gives_its_blocks_back(tiny_paged, reference_prompts
     assert all_free(tiny_paged)
 
 
+def test_a_batch_refused_half_way_keeps_no_block(tiny_model_dir, tiny_contiguous, reference_prompts):
+    per_token = tiny_contiguous.model.config.kv_bytes_per_token(torch.float32)
+    small = paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=12 * 16 * per_token)
+    encoded = [small._encode_ids(p, 4) for p in reference_prompts]     # together: more than 12 blocks
+    seqs = [small.new_sequence(SamplingParams(), 4, len(ids)) for ids in encoded]
+    with pytest.raises(paged.PoolFullError):
+        next(small.run(encoded, seqs))               # run() bypasses batch_chunks: the pool says no
+    assert all_free(small)
+
+
 def test_a_request_that_could_never_fit_is_refused(tiny_model_dir, tiny_contiguous):
     per_token = tiny_contiguous.model.config.kv_bytes_per_token(torch.float32)
     small = paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=4 * 16 * per_token)   # 64 tokens
