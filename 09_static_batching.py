@@ -117,7 +117,7 @@ def measure(engine: StaticBatchEngine, prompts: list[str], new_tokens: int, para
             "latency_s": sum(done) / len(done), "results": results}
 
 
-def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats: int = 3) -> list[dict]:
+def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats: int = 2) -> list[dict]:
     """Throughput and latency against batch size, next to the sequential baseline (same model).
 
     Each size runs `repeats` rounds of both ways, alternating which goes first, so a busy
@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per size, alternating which way goes first")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per size, alternating which way goes first")
     parser.add_argument("--plot", metavar="PNG", default=None, help="save throughput/latency plots here")
     parser.add_argument("--json", metavar="PATH", default=None, help="save the table as JSON here")
     args = parser.parse_args()
