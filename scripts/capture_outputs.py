@@ -111,6 +111,9 @@ CAPTURES = [
         "python 13_continuous_batching.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
     ], timeout_s=1800),
     # Chapter 12 (quantisation)
+    Capture("16_quantization", [
+        "python 16_quantization.py --threads 1 --plot book/assets/ch12-quantization.png",
+    ], timeout_s=3600),
 ]
 
 _LOOPBACK = re.compile(r"127\.0\.0\.1:\d+")   # servers get free ports; the book shows one fixed port
