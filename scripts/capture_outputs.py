@@ -110,6 +110,11 @@ CAPTURES = [
     Capture("13_preemption", [
         "python 13_continuous_batching.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
     ], timeout_s=1800),
+    Capture("13_benchmark_offline", [
+        "python 06_benchmark_offline.py --workload mixed --num-prompts 16 --runs 1 --ignore-eos"
+        " --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
+        " --engine 13_continuous_batching:ContinuousBatchingEngine --batch StaticBatchEngine",
+    ], timeout_s=3600),
     # Chapter 12 (quantisation)
     Capture("16_quantization", [
         "python 16_quantization.py --threads 1 --plot book/assets/ch12-quantization.png",
