@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             items.append(WorkItem(it.prompt, budget))
             lengths.append(n)
+    if not items:
+        raise SystemExit(f"error: no request fits a KV pool of {fits} tokens: raise --kv-memory")
     arrivals = arrival_times(len(items), args.rate, args.seed)
     budgets = [it.max_new_tokens for it in items]
     print(f"\n[Workload] {len(items)} requests of data/mixed_workload.json: prompts {min(lengths)}-{max(lengths)} "
@@ -301,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         static.generate("Hello", 2)
         runs.append(run_fifo(static, items, arrivals, params, args.max_num_seqs, "static"))
         runs.append(run_fifo(static, items, arrivals, params, 1, "sequential"))
+    engine.close()                     # the engine loop's thread ends; the results are all in
     print_requests(items, lengths, runs)
     if len(runs) > 1:
         print_comparison(runs)

@@ -18,7 +18,9 @@ def make_engine(model_dir, kv_memory=2 << 20):     # 4,096 tokens of the tiny mo
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return make_engine(tiny_model_dir)
+    engine = make_engine(tiny_model_dir)
+    yield engine
+    engine.close()                                   # ends its engine loop thread
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,7 @@ def test_preemption_shows_in_the_trace_and_changes_no_output(engine, tiny_model_
     check_trace(run, tight, items)
     check_segments(run)
     assert any(k == "preempted" for req in run["requests"] for k, _, _ in req["segments"])
+    tight.close()
     alone = demo.run_continuous(engine, items, arrivals, GREEDY)
     assert [r["ids"] for r in run["requests"]] == [r["ids"] for r in alone["requests"]]
 
@@ -129,3 +132,5 @@ def test_flags(tiny_model_dir, capsys):
         demo.main(["--model", str(tiny_model_dir), "--kv-memory", "lots"])
     with pytest.raises(SystemExit):
         demo.main(["--requests", "0"])
+    with pytest.raises(SystemExit, match="no request fits"):
+        demo.main(["--model", str(tiny_model_dir), "--kv-memory", "8KB", "--requests", "2"])
