@@ -100,6 +100,13 @@ CAPTURES = [
         " --batch --batch-size 32 --runs 1 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=1800),
     # Chapter 7 (paged KV cache)
+    Capture("11_paged_kv", ["python 11_paged_kv.py --plot book/assets/ch7-paged-kv.png"], timeout_s=1800),
+    Capture("11_vs_contiguous", [   # one thread: on the shared capture machine two threads mostly wait
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model:ModelEngine"
+        " --engine 11_paged_kv:PagedEngine --num-prompts 8 --runs 3 --max-new-tokens 32 --ignore-eos",
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model:ModelEngine"
+        " --engine 11_paged_kv:PagedEngine --batch --batch-size 32 --runs 3 --max-new-tokens 32 --ignore-eos",
+    ], timeout_s=3600),
     # Chapter 8 (prefix caching)
     Capture("12_prefix_cache", ["python 12_prefix_cache.py --threads 1 --plot book/assets/ch8-prefix-cache.png"],
             timeout_s=2400),
