@@ -137,7 +137,8 @@ class PagedBatch(model10.RaggedBatch):
     # Facts of the batch that every layer's context() needs: computed once per forward.
     @functools.cached_property
     def row_tables(self) -> list[torch.Tensor]:
-        return [self.block_tables[i, :k] for i, k in enumerate(self.block_counts)]
+        counts = self.block_counts or [self.block_tables.shape[1]] * len(self.lengths)
+        return [self.block_tables[i, :k] for i, k in enumerate(counts)]
 
     @functools.cached_property
     def first_of_run(self) -> int | None:
