@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -203,6 +204,27 @@ class RaggedBatch:
         return seq.to(self.token_ids.device), offset.to(self.token_ids.device)
 
     @functools.cached_property
+    def parts(self) -> list[tuple[slice, slice, RaggedBatch]]:
+        """(rows, flat tokens, sub-batch) runs of decode rows (one new token) and prefill rows.
+
+        Attention pads queries to the longest row, so a decode row next to a 200-token prefill
+        chunk would cost 200 queries' work; attended apart, each run pads only to its own kind.
+        A batch of one kind (every batch of Chapters 6 and 7) is a single part: itself.
+        """
+        kinds = [n == 1 for n in self.lengths]
+        if len(set(kinds)) == 1:
+            return [(slice(None), slice(None), self)]
+        out, first, offsets = [], 0, [0, *itertools.accumulate(self.lengths)]
+        for last in range(1, len(kinds) + 1):
+            if last == len(kinds) or kinds[last] != kinds[first]:
+                tokens = slice(offsets[first], offsets[last])
+                out.append((slice(first, last), tokens, RaggedBatch(
+                    self.token_ids[tokens], self.positions[tokens], self.slots[tokens], self.rows[first:last],
+                    self.starts[first:last], self.lengths[first:last])))
+                first = last
+        return out
+
+    @functools.cached_property
     def mask(self) -> torch.Tensor | None:
         """[seqs, 1, q_len, ctx]: key j is visible to query i of a row iff j <= start + i.
 
@@ -300,8 +322,10 @@ class LlamaModel:
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         cache.k[i].index_copy_(0, batch.slots, k)      # the slot mapping: new K/V into the cache
         cache.v[i].index_copy_(0, batch.slots, v.view(-1, c.num_kv_heads, c.head_dim))
-        out = self.attend(q, *cache.context(i, batch), batch)
-        return self.linear(out, p + "o")
+        k, v = cache.context(i, batch)
+        parts = [self.attend(q[tokens], k[rows, :part.context_len], v[rows, :part.context_len], part)
+                 for rows, tokens, part in batch.parts]
+        return self.linear(parts[0] if len(parts) == 1 else torch.cat(parts), p + "o")
     # --8<-- [end:attention]
 
     # --8<-- [start:attend]
