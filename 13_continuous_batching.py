@@ -31,6 +31,7 @@ import torch
 
 engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
+prefix12 = importlib.import_module("12_prefix_cache")
 scheduler13 = importlib.import_module("13_scheduler")
 SamplingParams, GenerateResult = engine04.SamplingParams, engine04.GenerateResult
 Request = scheduler13.Request
@@ -42,9 +43,12 @@ class ContinuousBatchingEngine(paged.PagedEngine):
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, kv_memory: int = paged.DEFAULT_KV_MEMORY,
                  block_size: int = paged.DEFAULT_BLOCK_SIZE, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 256):
+                 max_num_batched_tokens: int = 256, prefix_caching: bool = False):
         scheduler13.Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)   # before loading a model
         super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size)
+        self.prefix_caching = prefix_caching
+        if prefix_caching:   # Chapter 8: admission shares a cached prefix; each step publishes full blocks
+            self.blocks = prefix12.PrefixCachingBlockManager(self.pool.num_blocks, block_size)
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.on_step = None                  # the demo's tracer: called with each step's record
         self.recent_batches: collections.deque = collections.deque(maxlen=64)
@@ -73,6 +77,8 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         ready = []
         for i, (r, n) in enumerate(zip(work.requests, work.lengths)):
             r.num_computed += n
+            if self.prefix_caching:               # its blocks that are full now can serve later prompts
+                self.blocks.cache_computed(r.id, r.tokens(0, r.num_computed))
             if r.num_computed == r.num_tokens:    # a prefill's middle chunk predicts nothing yet
                 ready.append(i)
         tokens = self.sample(logits[ready], [work.requests[i].seq for i in ready]) if ready else []
@@ -91,6 +97,7 @@ class ContinuousBatchingEngine(paged.PagedEngine):
     def request_result(self, r: Request) -> GenerateResult:
         result = self.result(r.seq, r.arrival)
         result.metrics.queue_ms = ((r.admitted or r.arrival) - r.arrival) * 1e3
+        result.metrics.cached_tokens = r.cached_tokens
         return result
 
     # --8<-- [start:loop]
@@ -207,7 +214,8 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         deque are single operations under CPython's GIL, so each number is one consistent reading."""
         return {**super().stats(), "waiting": len(self.scheduler.waiting) + len(self._inbox),
                 "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
-                "batch_sizes": list(self.recent_batches)}
+                "batch_sizes": list(self.recent_batches),
+                **({"prefix_cache_hit_rate": round(self.blocks.hit_rate, 4)} if self.prefix_caching else {})}
 
 
 class RequestStream:

@@ -34,6 +34,7 @@ class Request:
     num_computed: int = 0              # tokens whose K/V are in the pool
     admitted: float | None = None      # first time it was scheduled
     preemptions: int = 0
+    cached_tokens: int | None = None   # prompt tokens a prefix cache held at admission (Chapter 8)
     sink: object = None                # where the engine loop sends its text (live traffic)
 
     @property
@@ -118,14 +119,29 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted and self.blocks.can_allocate(self.waiting[0].num_tokens)):
             r = self.waiting.popleft()
-            self.blocks.allocate(r.id, r.num_tokens)
+            r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
             r.admitted = r.admitted or time.perf_counter()
             self.running.append(r)
-            n = min(r.num_tokens, budget)
-            out.add(r, 0, n)
+            n = min(r.num_tokens - r.num_computed, budget)
+            out.add(r, r.num_computed, n)
             budget -= n
         return out
     # --8<-- [end:schedule]
+
+    # --8<-- [start:admit]
+    def admit(self, r: Request) -> int:
+        """Blocks for all of r's known tokens; returns how many of them already have their K/V.
+        Chapter 7's block manager has none to offer; Chapter 8's prefix cache shares a cached prefix
+        (a preempted request re-matches what it computed before, if it is still cached)."""
+        allocate_cached = getattr(self.blocks, "allocate_cached", None)
+        if allocate_cached is None:
+            self.blocks.allocate(r.id, r.num_tokens)
+            return 0
+        cached = allocate_cached(r.id, r.tokens(0, r.num_tokens))
+        if r.admitted is None:
+            r.cached_tokens = cached
+        return cached
+    # --8<-- [end:admit]
 
     # --8<-- [start:preempt]
     def _make_room(self, r: Request, needed: int, out: ScheduledBatch) -> bool:

@@ -279,3 +279,74 @@ def test_real_model_with_cache_hits_equals_the_baseline(real_engine, default_mod
         cached.append(got.metrics.cached_tokens)
     n = len(ours.tokenizer(long).input_ids)
     assert cached[0] == 0 and cached[1] == (n - 1) // 16 * 16 and cached[2] >= cached[1]
+# ---------------------------------------------------------------- under Chapter 9's scheduler
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4      # 2 layers, 2 KV heads, head_dim 16, float32
+CHAT = ["Why is the sky blue?", "Name three rivers.", "What is a prime number?", "Say hello.",
+        "Count to five.", "Who wrote Hamlet?"]
+
+
+@pytest.fixture(scope="module")
+def cb_engines(tiny_model_dir):
+    """Continuous batching with the cache and without; 24 blocks of 4 tokens and 8 tokens a step:
+    chunked prefills, preemption and eviction all the time."""
+    cb13 = load_script("13_continuous_batching")
+    made = [cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=24 * 4 * TINY_KV_BYTES_PER_TOKEN,
+                                          block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                                          prefix_caching=on) for on in (True, False)]
+    yield made
+    for e in made:
+        e.close()
+
+
+def test_continuous_batching_with_the_cache_equals_without(cb_engines):
+    on, off = cb_engines
+    assert isinstance(on.blocks, pc.PrefixCachingBlockManager) and on.scheduler.blocks is on.blocks
+    system = "Be brief. " * 4
+    prompts = [system + q for q in CHAT] + [system + CHAT[0]]       # the last one repeats the first
+    spy = WriteSpy(on)
+    on.model.forward = spy                                          # an instance attribute: undone below
+    try:
+        with_cache = on.generate_batch(prompts, 8, GREEDY)
+        again = on.generate_batch(prompts[:2], 8, GREEDY)            # a later batch finds the prefix cached
+    finally:
+        del on.model.forward
+    without = off.generate_batch(prompts, 8, GREEDY)
+    assert [r.output_ids for r in with_cache] == [r.output_ids for r in without]
+    assert [r.output_ids for r in again] == [r.output_ids for r in without[:2]]
+    assert all(r.metrics.cached_tokens is None for r in without)
+    assert with_cache[0].metrics.cached_tokens == 0 and all(r.metrics.cached_tokens > 0 for r in again)
+    assert sum(r.metrics.cached_tokens for r in with_cache[1:]) > 0  # chunked prefill let later ones share
+    m = on.blocks
+    assert not m.tables and len(m.free_blocks) + len(m.evictable) == m.num_blocks   # nothing leaked
+    check_invariants(m)
+
+
+def test_a_preempted_request_re_matches_its_own_blocks(cb_engines):
+    on, off = cb_engines
+    preempted = []
+    on.on_step = lambda work, events: preempted.extend(work.preempted)
+    try:
+        hits_before = on.blocks.hit_tokens
+        prompts = [q * 3 for q in CHAT[:4]]
+        results = on.generate_batch(prompts, 12, GREEDY)
+    finally:
+        on.on_step = None
+    assert preempted, "the pool was meant to be too small for all four at once"
+    first_admissions = sum(r.metrics.cached_tokens for r in results)
+    assert on.blocks.hit_tokens - hits_before > first_admissions    # re-admissions found their own blocks
+    assert [r.output_ids for r in results] == [r.output_ids for r in off.generate_batch(prompts, 12, GREEDY)]
+    check_invariants(on.blocks)
+
+
+def test_continuous_batching_reports_cached_tokens_through_the_server(cb_engines):
+    on, _ = cb_engines
+    messages = [{"role": "system", "content": "Be brief."}]
+    with TestClient(server.make_app(on, model_name="tiny")) as client:
+        bodies = [client.post("/v1/chat/completions", json={
+            "messages": messages + [{"role": "user", "content": q}], "max_tokens": 4}).json() for q in ("Hi?", "Yo?")]
+    render = load_script("04_engine").render_chat
+    a, b = (on.tokenizer(render(on.tokenizer, messages + [{"role": "user", "content": q}])).input_ids
+            for q in ("Hi?", "Yo?"))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert [body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in bodies] == [0, common // BS * BS]
+    assert 0 < on.stats()["prefix_cache_hit_rate"] < 1
