@@ -154,7 +154,7 @@ def print_goodput(names: list[str], results: list[dict], slo: str) -> None:
     print(f"\n[Goodput: {slo}]")
     rows = {"met SLO": [f"{g['met']} of {g['sent']}" for g in results],
             "share": [f"{g['share']:.0%}" for g in results],
-            "good requests/s": [offline.fmt(g["per_s"]) for g in results]}
+            "good requests/s": [f"{g['per_s']:.3f}" for g in results]}   # rates far below 1 keep digits
     for col, g in enumerate(results[1:], start=1):
         if results[0]["per_s"]:
             rows["good requests/s"][col] += f" ({g['per_s'] / results[0]['per_s']:.2f}x)"

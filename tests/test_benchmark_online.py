@@ -207,7 +207,7 @@ def test_servers_alternate_and_goodput_is_compared(monkeypatch, capsys):
     assert [g["met"] for g in result["goodput"]] == [4, 8] and result["goodput"][1]["per_s"] == 1.0
     printed = capsys.readouterr().out
     assert "[Goodput: TTFT <= 1000 ms]" in printed
-    assert "good requests/s    0.50                  1.00 (2.00x)" in printed
+    assert "good requests/s    0.500                 1.000 (2.00x)" in printed
     assert "share              50%                   100%" in printed
 
 
