@@ -3,6 +3,7 @@
     python 12_prefix_cache.py                     # TTFT with and without the cache, hit rate, blocks saved
     python 12_prefix_cache.py --plot ch8.png      # TTFT per request, both ways, as a picture
     python 12_prefix_cache.py --questions 4       # a shorter run
+    python 12_prefix_cache.py --at-once 13_continuous_batching:ContinuousBatchingEngine   # all 16 in one batch
 
 The workload is committed in data/prefix_cache_workload.json: a help desk's system prompt
 (about 400 tokens) sent with 16 different questions one after another, and a four-turn
@@ -94,6 +95,37 @@ def blocks_if_concurrent(engine, workload: dict, n: int) -> tuple[int, int]:
 # --8<-- [end:at-once]
 
 
+# --8<-- [start:all-at-once]
+def all_at_once(spec: str, args, workload: dict, n: int) -> None:
+    """The n questions in one generate_batch call, on two engines built from `spec` with
+    prefix_caching off and on. Under a scheduler (Chapter 9) a long prompt is prefilled in chunks
+    over several steps, so requests admitted after the first find its published blocks."""
+    engines = {on: engine04.load_engine(spec, args.model, device=args.device, block_size=args.block_size,
+                                        prefix_caching=on) for on in (False, True)}
+    system = {"role": "system", "content": workload["system"]}
+    prompts = [engine04.render_chat(engines[True].tokenizer, [system, {"role": "user", "content": q}])
+               for q in workload["questions"][:n]]
+    print(f"\n[{n} questions in one generate_batch call: {spec}]")
+    done = {}
+    for caching in (False, True):
+        engine = engines[caching]
+        engine.generate("Hello!", 4)          # warm-up; too short to leave a full block behind
+        t0 = time.perf_counter()
+        results = engine.generate_batch(prompts, args.max_new_tokens, SamplingParams())
+        seconds = time.perf_counter() - t0
+        done[caching] = results
+        ttft = [r.metrics.ttft_ms for r in results]
+        print(f"  cache {'on ' if caching else 'off'}  {seconds:6.1f} s  {n / seconds:5.2f} requests/s  "
+              f"TTFT mean {sum(ttft) / n:7.0f} ms  cached tokens {[r.metrics.cached_tokens or 0 for r in results]}")
+        if hasattr(engine, "close"):
+            engine.close()
+    same = [a.output_ids for a in done[False]] == [b.output_ids for b in done[True]]
+    print(f"  outputs with the cache on and off: {'identical (greedy), every request' if same else 'DIFFERENT'}")
+    if not same:
+        raise SystemExit("error: the cache changed an output")
+# --8<-- [end:all-at-once]
+
+
 def summarize(engine, qa: list[dict], chat: list[dict], workload: dict) -> None:
     bs, n = engine.pool.block_size, len(qa)
     first, rest = qa[0], qa[1:]
@@ -148,6 +180,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--block-size", type=int, default=pc.paged.DEFAULT_BLOCK_SIZE)
     parser.add_argument("--plot", metavar="PNG", help="save TTFT per request, cache off and on")
+    parser.add_argument("--at-once", metavar="ENGINE", default=None,
+                        help="instead: send the questions in one generate_batch call to this engine "
+                             "(module:Class taking prefix_caching=), e.g. 13_continuous_batching:ContinuousBatchingEngine")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
     args = parser.parse_args()
@@ -159,6 +194,8 @@ def main() -> None:
     if not 1 <= args.questions <= len(workload["questions"]):
         parser.error(f"--questions must be between 1 and {len(workload['questions'])}")
     try:
+        if args.at_once:
+            return all_at_once(args.at_once, args, workload, args.questions)
         engine = pc.PrefixCachingEngine(args.model, device=args.device, block_size=args.block_size)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None

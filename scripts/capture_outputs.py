@@ -110,6 +110,11 @@ CAPTURES = [
     # Chapter 8 (prefix caching)
     Capture("12_prefix_cache", ["python 12_prefix_cache.py --threads 1 --plot book/assets/ch8-prefix-cache.png"],
             timeout_s=2400),
+    Capture("12_prefix_cache_at_once", [
+        "python 12_prefix_cache.py --threads 1 --max-new-tokens 16 --at-once 12_prefix_cache:PrefixCachingEngine",
+        "python 12_prefix_cache.py --threads 1 --max-new-tokens 16"
+        " --at-once 13_continuous_batching:ContinuousBatchingEngine",
+    ], timeout_s=2400),
     # Chapter 9 (continuous batching)
     Capture("13_continuous_batching", [
         "python 13_continuous_batching.py --plot book/assets/ch9-timeline.png",
