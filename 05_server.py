@@ -656,7 +656,8 @@ def _healthy(url: str) -> bool:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine keywords given on the command line; an engine that does not take one refuses it."""
-    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "prefix_caching": args.prefix_caching}
     if args.kv_memory is not None:   # '512MB' style sizes are Chapter 7's; only parsed when asked for
         options["kv_memory"] = importlib.import_module("11_paged_kv_demo").parse_bytes(args.kv_memory)
     return {k: v for k, v in options.items() if v is not None}
@@ -675,6 +676,8 @@ def main() -> None:
     batching.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 512MB")
     batching.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step, at most")
     batching.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step, at most")
+    batching.add_argument("--prefix-caching", action="store_true", default=None,
+                          help="reuse the KV blocks of prompt prefixes seen before (Chapter 8)")
     server_ops.add_arguments(parser)
     args = parser.parse_args()
 
