@@ -14,7 +14,7 @@ from conftest import load_script
 sampling = load_script("02_sampling")
 contracts = load_script("03_contracts")
 SamplingParams = contracts.SamplingParams
-N_NEW = 12
+N_NEW = 8
 
 # The tiny random model never repeats itself within a few tokens, so a penalty on repeats
 # would change nothing. A bias that makes token 30 win every step gives the penalties work.
