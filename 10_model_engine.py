@@ -109,7 +109,7 @@ class ModelEngine(decode_loop.DecodeLoopEngine):
         params = params or SamplingParams()
         budget = params.token_budget(max_new_tokens)
         ids = self._encode_ids(prompt, budget)
-        seq = self.new_sequence(params, budget, len(ids))
+        seq = self.new_sequence(params, budget, len(ids), ids)
         loop = self.run([ids], [seq])
         try:
             for (piece,) in loop:
@@ -129,7 +129,7 @@ class ModelEngine(decode_loop.DecodeLoopEngine):
         encoded = [self._encode_ids(p, budget) for p in prompts]   # refuse bad input before any work
         results = []
         for chunk in self.batch_chunks(encoded, budget):
-            seqs = [self.new_sequence(params, budget, len(ids)) for ids in encoded[chunk]]
+            seqs = [self.new_sequence(params, budget, len(ids), ids) for ids in encoded[chunk]]
             for _ in self.run(encoded[chunk], seqs):
                 pass
             results += [self.result(s, t0) for s in seqs]

@@ -89,7 +89,7 @@ def live_block_tables(engine, prompts: list[str], steps: int, params: SamplingPa
     """Run a batch for `steps` decode steps and return every sequence's (tokens, block table)."""
     budget = params.token_budget(64)
     encoded = [engine._encode_ids(p, budget) for p in prompts]
-    seqs = [engine.new_sequence(params, budget, len(ids)) for ids in encoded]
+    seqs = [engine.new_sequence(params, budget, len(ids), ids) for ids in encoded]
     loop = engine.run(encoded, seqs)
     try:
         for _, _ in zip(range(steps + 1), loop):

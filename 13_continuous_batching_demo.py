@@ -112,7 +112,7 @@ def run_continuous(engine: TracedEngine, items: list[WorkItem], arrivals: list[f
 def static_batch(engine, items: list[WorkItem], params: SamplingParams) -> list:
     """Chapter 5's batch, each row with its own budget: rows stop on their own, the batch when its longest does."""
     encoded = [engine.encode(it.prompt, params.token_budget(it.max_new_tokens)) for it in items]
-    seqs = [engine.new_sequence(params, params.token_budget(it.max_new_tokens), ids.shape[1])
+    seqs = [engine.new_sequence(params, params.token_budget(it.max_new_tokens), ids.shape[1], ids[0].tolist())
             for it, ids in zip(items, encoded)]
     for _ in engine.decode_loop(*engine.left_pad(encoded), seqs):
         pass

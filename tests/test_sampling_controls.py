@@ -190,3 +190,20 @@ def test_a_batch_samples_each_row_as_if_alone(tiny_loop):
     alone = [tiny_loop.sample(logits[i:i + 1], [s])[0] for i, s in enumerate(fresh())]
     assert together == alone
     assert len(seqs[0].logprobs) == 1 and seqs[1].logprobs is None
+
+
+@pytest.mark.parametrize("spec", ["10_model:ModelEngine", "11_paged_kv:PagedEngine",
+                                  "13_continuous_batching:ContinuousBatchingEngine"])
+def test_engines_on_our_own_model_honour_every_control(spec, tiny_model_dir, tiny_engine, reference_prompts):
+    """Chapters 6-9 sample through the same Sequence: penalties (repetition covers the prompt,
+    so each engine must hand its prompt ids over) and bias give the baseline's tokens."""
+    engine = load_script("04_engine").load_engine(spec, str(tiny_model_dir), device="cpu")
+    try:
+        params = SamplingParams(**ALL)
+        for prompt in reference_prompts[:2]:
+            assert engine.generate(prompt, N_NEW, params).output_ids == tiny_engine.generate(prompt, N_NEW, params).output_ids
+        batch = engine.generate_batch(reference_prompts[:3], N_NEW, params)
+        assert [r.output_ids for r in batch] == [tiny_engine.generate(p, N_NEW, params).output_ids
+                                                 for p in reference_prompts[:3]]
+    finally:
+        getattr(engine, "close", lambda: None)()
