@@ -256,10 +256,12 @@ class PagedEngine(engine10.ModelEngine):
         """Chapter 6's loop; the cache is the pool, and blocks come and go with the tokens."""
         ids = [next(self._ids) for _ in seqs]
         try:
-            tables = [self.blocks.allocate(i, len(p)) for i, p in zip(ids, prompts)]
-            batch = PagedBatch.from_tables(prompts, tables, [0] * len(seqs), self.pool.block_size, self.device)
+            starts = [self.admit(i, p, s) for i, p, s in zip(ids, prompts, seqs)]
+            batch = PagedBatch.from_tables([p[c:] for p, c in zip(prompts, starts)], [self.blocks.tables[i] for i in ids],
+                                           starts, self.pool.block_size, self.device)
             logits, live = self.model.forward(batch, self.pool), list(range(len(seqs)))
             while True:
+                self.computed(ids, prompts, seqs, live)
                 tokens = self.sample(logits, [seqs[i] for i in live])
                 now, pieces = time.perf_counter(), [""] * len(seqs)
                 for i, token in zip(live, tokens):
@@ -282,6 +284,17 @@ class PagedEngine(engine10.ModelEngine):
                 if i in self.blocks.tables:
                     self.blocks.free(i)
     # --8<-- [end:run]
+
+    # --8<-- [start:hooks]
+    def admit(self, seq_id: int, prompt: list[int], seq) -> int:
+        """Blocks for a new sequence's prompt; returns how many of its tokens already have
+        keys and values (none here: Chapter 8 finds a cached prefix)."""
+        self.blocks.allocate(seq_id, len(prompt))
+        return 0
+
+    def computed(self, ids: list[int], prompts: list[list[int]], seqs: list, live: list[int]) -> None:
+        """After every forward, every token fed so far has its K/V (Chapter 8 publishes full blocks)."""
+    # --8<-- [end:hooks]
 
     # --8<-- [start:chunks]
     def batch_chunks(self, encoded: list[list[int]], budget: int) -> collections.abc.Iterator[slice]:

@@ -31,8 +31,6 @@ import dataclasses
 import importlib
 import itertools
 import sys
-import time
-from collections.abc import Iterator
 
 import torch
 
@@ -201,45 +199,20 @@ class PrefixCachingEngine(paged.PagedEngine):
         return res
 
     # --8<-- [start:run]
-    def run(self, prompts: list[list[int]], seqs: list[CachedSequence]) -> Iterator[list[str]]:
-        """Chapter 7's loop with two changes: each prefill starts after its cached prefix, and
-        after every forward the blocks that became full are published to the cache."""
-        ids, bs = [next(self._ids) for _ in seqs], self.pool.block_size
-        try:
-            for i, p, s in zip(ids, prompts, seqs):
-                if self.prefix_caching:
-                    s.cached_tokens = self.blocks.allocate_cached(i, p)
-                else:
-                    self.blocks.allocate(i, len(p))
-            starts = [s.cached_tokens for s in seqs]
-            batch = paged.PagedBatch.from_tables([p[c:] for p, c in zip(prompts, starts)],
-                                                 [self.blocks.tables[i] for i in ids], starts, bs, self.device)
-            logits, live = self.model.forward(batch, self.pool), list(range(len(seqs)))
-            while True:
-                if self.prefix_caching:   # everything fed so far has its K/V now
-                    for i in live:
-                        self.blocks.cache_computed(ids[i], prompts[i] + seqs[i].new_ids)
-                tokens = self.sample(logits, [seqs[i] for i in live])
-                now, pieces = time.perf_counter(), [""] * len(seqs)
-                for i, token in zip(live, tokens):
-                    pieces[i] = self.accept(seqs[i], token, now)
-                    if seqs[i].finish_reason:
-                        self.blocks.free(ids[i])
-                yield pieces
-                step = [(i, t) for i, t in zip(live, tokens) if seqs[i].finish_reason is None]
-                if not step:
-                    return
-                live = [i for i, _ in step]
-                starts = [self.blocks.lengths[ids[i]] for i in live]
-                for i in live:
-                    self.blocks.append_slot(ids[i])
-                batch = paged.PagedBatch.from_tables([[t] for _, t in step], [self.blocks.tables[ids[i]] for i in live],
-                                                     starts, bs, self.device)
-                logits = self.model.forward(batch, self.pool)
-        finally:   # also when an allocation or a forward failed: no block outlives the call
-            for i in ids:
-                if i in self.blocks.tables:
-                    self.blocks.free(i)
+    # Chapter 7's loop (PagedEngine.run) is unchanged; two of its hooks change what it does.
+    def admit(self, seq_id: int, prompt: list[int], seq: CachedSequence) -> int:
+        """The prefill starts after the prompt's cached prefix: those blocks are shared, not computed."""
+        if not self.prefix_caching:
+            return super().admit(seq_id, prompt, seq)
+        seq.cached_tokens = self.blocks.allocate_cached(seq_id, prompt)
+        return seq.cached_tokens
+
+    def computed(self, ids: list[int], prompts: list[list[int]], seqs: list[CachedSequence],
+                 live: list[int]) -> None:
+        """After every forward, the blocks that became full are published to the cache."""
+        if self.prefix_caching:
+            for i in live:
+                self.blocks.cache_computed(ids[i], prompts[i] + seqs[i].new_ids)
     # --8<-- [end:run]
 
     def reset_prefix_cache(self) -> None:
