@@ -123,7 +123,7 @@ CAPTURES = [
         "python 13_continuous_batching.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
     ], timeout_s=1800),
     Capture("13_benchmark_offline", [
-        "python 06_benchmark_offline.py --workload mixed --num-prompts 16 --runs 1 --ignore-eos"
+        "python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1 --ignore-eos"
         " --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
         " --engine 13_continuous_batching:ContinuousBatchingEngine --batch StaticBatchEngine",
     ], timeout_s=3600),
