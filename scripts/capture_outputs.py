@@ -127,6 +127,10 @@ CAPTURES = [
         " --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
         " --engine 13_continuous_batching:ContinuousBatchingEngine --batch StaticBatchEngine",
     ], timeout_s=3600),
+    Capture("13_benchmark_online", [
+        "python 06_benchmark_online.py --workload mixed --num-prompts 32 --concurrency 32 --runs 1 --ignore-e"
+        "os --timeout 3600 --engine 04_engine:BaselineEngine --engine 13_continuous_batching:ContinuousBatchingEngine",
+    ], timeout_s=3600),
     # Chapter 12 (quantisation)
     Capture("16_quantization", [
         "python 16_quantization.py --threads 1 --plot book/assets/ch12-quantization.png",
