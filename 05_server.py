@@ -383,6 +383,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             finally:
                 with anyio.CancelScope(shield=True):   # a cancellation must not skip the clean-up
                     await produced.aclose()
+                getattr(items, "cancel", lambda: None)()   # also when nobody started reading it
 
     async def submit(prompt: str, max_tokens: int, params: SamplingParams) -> Iterator:
         """Hand the request to the batching engine (tokenising in a thread). Refused input is a 4xx
