@@ -424,6 +424,21 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _TorchThreads(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        if value < 1:
+            parser.error(f"{option_string} must be >= 1")
+        torch.set_num_threads(value)
+        setattr(namespace, self.dest, value)
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """--threads N sets torch's CPU threads as it is parsed. On a 2-core machine shared with
+    other work, torch's two threads mostly wait for each other; one thread is steadier."""
+    parser.add_argument("--threads", type=int, default=None, action=_TorchThreads,
+                        help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
+
+
 def demo_parser(description: str) -> argparse.ArgumentParser:
     """The command-line flags every engine script shares (later chapters add their own)."""
     parser = argparse.ArgumentParser(description=description)

@@ -19,7 +19,6 @@ import importlib
 import json
 import time
 
-import torch
 
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
@@ -183,13 +182,8 @@ def main() -> None:
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
                              "(module:Class taking prefix_caching=), e.g. 13_continuous_batching:ContinuousBatchingEngine")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
+    engine04.add_threads_flag(parser)
     args = parser.parse_args()
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
     workload = load_workload()
     if not 1 <= args.questions <= len(workload["questions"]):
         parser.error(f"--questions must be between 1 and {len(workload['questions'])}")

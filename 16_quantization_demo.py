@@ -168,13 +168,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating speed rounds (median is shown)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate batch-1 anchor")
     parser.add_argument("--plot", default=None, metavar="PNG", help="speed against perplexity")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
+    engine04.add_threads_flag(parser)
     args = parser.parse_args()
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
     try:
         specs = list(args.modes)
         for spec in specs:

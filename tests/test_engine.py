@@ -192,3 +192,20 @@ def test_demo_flags_reach_the_engine_including_dtype(tiny_model_dir, capsys):
     engine, _, _ = engine_mod.demo(engine_mod.BaselineEngine, args)
     assert engine.model.dtype == torch.bfloat16 and "[Output]" in capsys.readouterr().out
     assert engine_mod.demo_parser("test").parse_args([]).dtype == "float32"
+
+
+def test_threads_flag_sets_torch_threads_and_refuses_zero(engine_mod):
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser()
+    engine_mod.add_threads_flag(parser)
+    saved = torch.get_num_threads()
+    try:
+        assert parser.parse_args(["--threads", "1"]).threads == 1 and torch.get_num_threads() == 1
+        assert parser.parse_args([]).threads is None
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--threads", "0"])
+    finally:
+        torch.set_num_threads(saved)
