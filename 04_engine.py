@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 setup = importlib.import_module("01_setup")
 sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
+cpu_threads = importlib.import_module("cpu_threads")
 SamplingParams = contracts.SamplingParams
 GenerateResult = contracts.GenerateResult
 RequestMetrics = contracts.RequestMetrics
@@ -359,6 +360,7 @@ class BaselineEngine(BaseOfflineEngine):
 
         t0 = time.perf_counter()
         worker = threading.Thread(target=run, daemon=True)
+        cpu_threads.release_idle_workers()   # the worker computes; this thread's idle CPU workers go
         worker.start()
         detok, new_ids, sent = IncrementalDetokenizer(self.tokenizer, params.stop), [], 0
         try:

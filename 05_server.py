@@ -54,6 +54,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 engine_lib = importlib.import_module("04_engine")
+cpu_threads = importlib.import_module("cpu_threads")
 server_ops = importlib.import_module("server_ops")  # keys, metrics, overload, shutdown, the page
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
 
@@ -438,6 +439,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 items.close()              # closed by the thread that runs it: stops the engine's work
 
         producer = threading.Thread(target=produce, daemon=True)
+        cpu_threads.release_idle_workers()   # the producer (or the engine's loop) computes, not this thread
         producer.start()
         try:
             while True:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 
 engine04 = importlib.import_module("04_engine")
+cpu_threads = importlib.import_module("cpu_threads")
 paged = importlib.import_module("11_paged_kv")
 prefix12 = importlib.import_module("12_prefix_cache")
 scheduler13 = importlib.import_module("13_scheduler")
@@ -112,6 +113,7 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
         for r in requests:
             r.sink = queue.SimpleQueue()
+        cpu_threads.release_idle_workers()   # the loop thread computes; this thread's idle CPU workers go
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
