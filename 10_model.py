@@ -120,6 +120,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --8<-- [end:rope]
 
 
+def input_major(w: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] matrix, laid out in memory input by input (column-major).
+
+    `x @ w.T` then hands the BLAS a plain [in, out] matrix, no transpose. For the few rows
+    of a decode batch (2 to 32) MKL's float32 GEMM runs that layout up to a third faster
+    (measured on the default model's layers); for one row both layouts are a matrix-vector product.
+    """
+    return w.T.contiguous().T
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each vector to unit root-mean-square (in float32), then by a learned gain."""
     x32 = x.float()
@@ -286,10 +296,10 @@ class LlamaModel:
             up = take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
             # Three projections of the same input are one matmul with stacked weights: the
             # input is read once and one larger GEMM keeps the cores busier than three small ones.
-            w[p + "qkv"] = torch.cat([q, k, v])
-            w[p + "gate_up"] = torch.cat([gate, up])
-            w[p + "o"] = take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim))
-            w[p + "down"] = take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))
+            w[p + "qkv"] = input_major(torch.cat([q, k, v]))
+            w[p + "gate_up"] = input_major(torch.cat([gate, up]))
+            w[p + "o"] = input_major(take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim)))
+            w[p + "down"] = input_major(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)))
             w[p + "norm1"] = take(p + "input_layernorm.weight", (c.hidden_size,))
             w[p + "norm2"] = take(p + "post_attention_layernorm.weight", (c.hidden_size,))
         return cls(config, w)
@@ -316,12 +326,12 @@ class LlamaModel:
     def attention(self, i: int, h: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, p = self.config, f"model.layers.{i}."
-        q, k, v = self.linear(h, p + "qkv").split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
-        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        qkv = self.linear(h, p + "qkv").view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        # Queries and keys turn by the same angles, and sit side by side: one RoPE call for both.
+        qk = apply_rope(qkv[:, :c.num_heads + c.num_kv_heads], cos, sin)
+        q, k, v = qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, c.num_heads + c.num_kv_heads:]
         cache.k[i].index_copy_(0, batch.slots, k)      # the slot mapping: new K/V into the cache
-        cache.v[i].index_copy_(0, batch.slots, v.view(-1, c.num_kv_heads, c.head_dim))
+        cache.v[i].index_copy_(0, batch.slots, v)
         k, v = cache.context(i, batch)
         parts = [self.attend(q[tokens], k[rows, :part.context_len], v[rows, :part.context_len], part)
                  for rows, tokens, part in batch.parts]

@@ -86,8 +86,8 @@ class KVPool:
     def context(self, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's keys and values read through its block table: [seqs, ctx, kv_heads, head_dim].
 
-        Attention wants one rectangle, so the blocks are copied into one, each sequence
-        copying only the blocks it has (a GPU paged-attention kernel reads them in place).
+        Attention wants one rectangle, so the blocks are copied into one: a single gather of
+        every row's table, padding included (a GPU paged-attention kernel reads them in place).
         """
         n, width = batch.block_tables.shape
         shape = (n, width * self.block_size, *self.k[layer].shape[1:])
@@ -98,9 +98,8 @@ class KVPool:
         if self.scratch[0].shape[0] < n * width:
             self.scratch = [self.scratch[0].new_zeros(n * width, self.scratch[0].shape[1]) for _ in range(2)]
         out = []
-        for blocks, scratch in zip(pages, self.scratch):
-            for i, table in enumerate(batch.row_tables):
-                torch.index_select(blocks, 0, table, out=scratch[i * width: i * width + len(table)])
+        for blocks, scratch in zip(pages, self.scratch):   # one gather for the whole batch
+            torch.index_select(blocks, 0, batch.block_tables.view(-1), out=scratch[:n * width])
             out.append(scratch[:n * width].view(shape)[:, :batch.context_len])
         return out[0], out[1]
     # --8<-- [end:context]
@@ -112,7 +111,6 @@ class PagedBatch(model10.RaggedBatch):
     """Chapter 6's ragged batch, with slots and context read through block tables."""
 
     block_tables: torch.Tensor | None = None    # [seqs, blocks covering the longest context]
-    block_counts: list[int] | None = None       # blocks each sequence's context really covers
 
     @classmethod
     def from_tables(cls, new_tokens: list[list[int]], tables: list[list[int]], starts: list[int],
@@ -123,7 +121,8 @@ class PagedBatch(model10.RaggedBatch):
         needed = [-(-(s + n) // block_size) for s, n in zip(starts, lengths)]   # ceil division
         if any(k > len(t) for k, t in zip(needed, tables)):
             raise ValueError("a sequence's new tokens run past the blocks allocated to it")
-        # Rows shorter than the widest are padded with their own first block; context() skips the padding.
+        # Rows shorter than the widest are padded with their own first block: real, finite keys
+        # that context() copies along and attention's mask hides.
         width = max(needed)
         padded = torch.tensor([t[:k] + [t[0]] * (width - k) for t, k in zip(tables, needed)], dtype=torch.long)
         # The slot mapping, for every new token at once: block table[p // block_size], offset p % block_size.
@@ -132,15 +131,9 @@ class PagedBatch(model10.RaggedBatch):
         slots = padded[seq, positions // block_size] * block_size + positions % block_size
         tokens = torch.tensor([t for ids in new_tokens for t in ids], dtype=torch.long)
         return cls(tokens.to(device), positions.to(device), slots.to(device), list(range(len(lengths))),
-                   list(starts), lengths, padded.to(device), needed)
+                   list(starts), lengths, padded.to(device))
 
-    # Facts of the batch that every layer's context() needs: computed once per forward.
-    @functools.cached_property
-    def row_tables(self) -> list[torch.Tensor]:
-        counts = self.block_counts or [self.block_tables.shape[1]] * len(self.lengths)
-        return [self.block_tables[i, :k] for i, k in enumerate(counts)]
-
-    @functools.cached_property
+    @functools.cached_property   # every layer's context() asks: computed once per forward
     def first_of_run(self) -> int | None:
         """For a lone sequence whose blocks are consecutive in the pool: its first block."""
         if len(self.lengths) > 1:

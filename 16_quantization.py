@@ -177,6 +177,8 @@ def check_settings(quant: str, group_size: int) -> None:
 
 
 def quantize_weight(w: torch.Tensor, quant: str, group_size: int, path: str):
+    if quant in ("int8", "int4"):
+        w = w.contiguous()   # the packed kernels read codes row by row (Chapter 6 keeps float32 input-major)
     if quant == "int8":
         return Int8Weight(w, path)
     if quant == "int4":
