@@ -131,6 +131,8 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
         while True:
             with self._cv:
+                if not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
+                    cpu_threads.release_idle_workers()   # idle: whoever computes next has the cores alone
                 while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
                     self._cv.wait()
                 if self._closing:                 # under the lock: no new loop starts meanwhile
