@@ -46,9 +46,11 @@ def _openmp_runtime() -> ctypes.CDLL | None:
     return None
 
 
+# --8<-- [start:release]
 def release_idle_workers() -> bool:
     """Hand back the calling thread's idle OpenMP team; True if the runtime allowed it."""
     if not torch.backends.openmp.is_available():
         return False
     lib = _openmp_runtime()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+# --8<-- [end:release]
