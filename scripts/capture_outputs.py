@@ -133,7 +133,7 @@ CAPTURES = [
     ], timeout_s=3600),
     # Chapter 12 (quantisation)
     Capture("16_quantization", [
-        "python 16_quantization.py --threads 1 --plot book/assets/ch12-quantization.png",
+        "python 16_quantization.py --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
 ]
 
