@@ -366,7 +366,9 @@ class BaselineEngine(BaseOfflineEngine):
         try:
             while (token_id := streamer.tokens.get()) is not None:
                 new_ids.append(token_id)
-                piece, sent = attach_logprobs(detok.add(token_id), streamer.logprobs, sent)
+                # Only the tokens read so far: HF's thread may already have recorded the next one's.
+                read = streamer.logprobs and streamer.logprobs[:len(new_ids)]
+                piece, sent = attach_logprobs(detok.add(token_id), read, sent)
                 if piece:
                     yield piece
                 if detok.stopped:  # the stop string is complete: nothing after it is wanted
