@@ -132,8 +132,8 @@ def input_major(w: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each vector to unit root-mean-square, x / sqrt(mean(x²) + eps), in float32, then by a
-    learned gain. torch's F.rms_norm computes exactly that (bit for bit, checked against HF in the
-    tests) with less Python and dispatch around it than the formula spelled out op by op."""
+    learned gain. torch's F.rms_norm computes exactly that (the same bits as the formula spelled out op
+    by op, measured on float32 activations) with less Python and dispatch around it."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
