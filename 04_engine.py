@@ -363,17 +363,19 @@ class BaselineEngine(BaseOfflineEngine):
         cpu_threads.release_idle_workers()   # the worker computes; this thread's idle CPU workers go
         worker.start()
         detok, new_ids, sent = IncrementalDetokenizer(self.tokenizer, params.stop), [], 0
+
+        def read_logprobs():   # only the tokens read so far: HF's thread may have recorded the next one's
+            return streamer.logprobs and streamer.logprobs[:len(new_ids)]
+
         try:
             while (token_id := streamer.tokens.get()) is not None:
                 new_ids.append(token_id)
-                # Only the tokens read so far: HF's thread may already have recorded the next one's.
-                read = streamer.logprobs and streamer.logprobs[:len(new_ids)]
-                piece, sent = attach_logprobs(detok.add(token_id), read, sent)
+                piece, sent = attach_logprobs(detok.add(token_id), read_logprobs(), sent)
                 if piece:
                     yield piece
                 if detok.stopped:  # the stop string is complete: nothing after it is wanted
                     break
-            piece, sent = attach_logprobs(detok.flush(), streamer.logprobs and streamer.logprobs[:len(new_ids)], sent)
+            piece, sent = attach_logprobs(detok.flush(), read_logprobs(), sent)
             if piece:
                 yield piece
         finally:

@@ -334,11 +334,9 @@ class LlamaModel:
         cache.k[i].index_copy_(0, batch.slots, k)      # the slot mapping: new K/V into the cache
         cache.v[i].index_copy_(0, batch.slots, v)
         k, v = cache.context(i, batch)
-        if len(batch.parts) == 1:
-            return self.linear(self.attend(q, k, v, batch), p + "o")
         parts = [self.attend(q[tokens], k[rows, :part.context_len], v[rows, :part.context_len], part)
                  for rows, tokens, part in batch.parts]
-        return self.linear(torch.cat(parts), p + "o")
+        return self.linear(parts[0] if len(parts) == 1 else torch.cat(parts), p + "o")
     # --8<-- [end:attention]
 
     # --8<-- [start:attend]

@@ -127,13 +127,17 @@ class ContinuousBatchingEngine(paged.PagedEngine):
             self._aborts.add(request_id)
             self._cv.notify()
 
+    def _has_work(self) -> bool:
+        """Anything for the loop to do (called under self._cv)."""
+        return bool(self._inbox or self._aborts or self._closing or self.scheduler.has_work())
+
     def _loop(self) -> None:
         """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
         while True:
             with self._cv:
-                if not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
+                if not self._has_work():
                     cpu_threads.release_idle_workers()   # idle: whoever computes next has the cores alone
-                while not (self._inbox or self._aborts or self._closing or self.scheduler.has_work()):
+                while not self._has_work():
                     self._cv.wait()
                 if self._closing:                 # under the lock: no new loop starts meanwhile
                     closed = RuntimeError("the engine was closed")

@@ -37,8 +37,9 @@ KERNEL_DTYPE = torch.bfloat16           # the activations the packed kernels rea
 # --8<-- [start:int8]
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric, one scale per output channel: w[n, k] ~ q[n, k] * scale[n], q in -127..127."""
-    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127   # the row's largest |w| becomes 127
-    q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    w = w.float().contiguous()   # row-major codes, as the packed kernel reads them, whatever w's layout
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127   # the row's largest |w| becomes 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -177,8 +178,6 @@ def check_settings(quant: str, group_size: int) -> None:
 
 
 def quantize_weight(w: torch.Tensor, quant: str, group_size: int, path: str):
-    if quant in ("int8", "int4"):
-        w = w.contiguous()   # the packed kernels read codes row by row (Chapter 6 keeps float32 input-major)
     if quant == "int8":
         return Int8Weight(w, path)
     if quant == "int4":

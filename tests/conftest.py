@@ -19,6 +19,20 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
+def step_by_step_logits(model, ids: list[int], n_prompt: int):
+    """Chapter 6's model on its contiguous KVCache: prefill the first n_prompt ids (every
+    position's logits), then feed the rest one decode step at a time. The reference that the
+    model's own tests and the paged cache's tests compare against."""
+    import torch
+
+    model10 = load_script("10_model")
+    cache = model.new_cache(1, len(ids))
+    out = [model.forward(model10.RaggedBatch.build([ids[:n_prompt]], [0], [0], len(ids)), cache, all_logits=True)]
+    for t in range(n_prompt, len(ids)):
+        out.append(model.forward(model10.RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
+    return torch.cat(out)
+
+
 def load_script(name: str):
     """Import a numbered script such as '04_engine' as a module."""
     return importlib.import_module(name)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import load_script, step_by_step_logits
 
 model10 = load_script("10_model")
 engine10 = load_script("10_model_engine")
@@ -22,15 +22,6 @@ def hf_logits(folder, ids: list[int]) -> torch.Tensor:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.inference_mode():
         return hf(torch.tensor([ids])).logits[0]
-
-
-def ours_step_by_step(model, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Prefill the first n_prompt ids, then feed the rest one decode step at a time."""
-    cache = model.new_cache(1, len(ids))
-    out = [model.forward(model10.RaggedBatch.build([ids[:n_prompt]], [0], [0], len(ids)), cache, all_logits=True)]
-    for t in range(n_prompt, len(ids)):
-        out.append(model.forward(model10.RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
-    return torch.cat(out)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +47,7 @@ def test_logits_match_hf_prefill_and_every_decode_step(which, request):
     folder = request.getfixturevalue(which)
     ids = list(range(5, 205, 7))                       # 29 tokens: 20 prefilled, 9 decoded
     model = model10.LlamaModel.from_folder(folder)
-    diff = (ours_step_by_step(model, ids, 20) - hf_logits(folder, ids)).abs().max().item()
+    diff = (step_by_step_logits(model, ids, 20) - hf_logits(folder, ids)).abs().max().item()
     assert diff <= 1e-4
 
 
@@ -64,14 +55,14 @@ def test_logits_match_hf_prefill_and_every_decode_step(which, request):
 def test_real_model_logits_match_hf(default_model_dir):
     ids = list(range(100, 1100, 40))                  # 25 tokens: 17 prefilled, 8 decoded
     model = model10.LlamaModel.from_folder(default_model_dir)
-    diff = (ours_step_by_step(model, ids, 17) - hf_logits(default_model_dir, ids)).abs().max().item()
+    diff = (step_by_step_logits(model, ids, 17) - hf_logits(default_model_dir, ids)).abs().max().item()
     assert diff <= 1e-4
 
 
 def test_ragged_batch_equals_each_sequence_alone(tiny_model_dir):
     model = model10.LlamaModel.from_folder(tiny_model_dir)
     a, b, c = list(range(10, 40)), list(range(50, 57)), list(range(70, 71))
-    alone = [ours_step_by_step(model, s, len(s))[-1] for s in (a, b, c)]
+    alone = [step_by_step_logits(model, s, len(s))[-1] for s in (a, b, c)]
     # Mixed batch: a is mid-prefill (its first 12 tokens cached), b decodes its last
     # token, c is a fresh one-token prefill, all in one forward, rows out of order.
     cache = model.new_cache(3, 64)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import load_script, step_by_step_logits
 
 model10 = load_script("10_model")
 engine10 = load_script("10_model_engine")
@@ -23,15 +23,6 @@ N_PROMPT = 20
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
     return model10.LlamaModel.from_folder(tiny_model_dir)
-
-
-def contiguous_logits(model, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Chapter 6's KVCache: prefill n_prompt ids (every position's logits), then one token a step."""
-    cache = model.new_cache(1, len(ids))
-    out = [model.forward(model10.RaggedBatch.build([ids[:n_prompt]], [0], [0], len(ids)), cache, all_logits=True)]
-    for t in range(n_prompt, len(ids)):
-        out.append(model.forward(model10.RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
-    return torch.cat(out)
 
 
 def paged_logits(model, pool, blocks, seq_id: int, ids: list[int], n_prompt: int, between=None) -> torch.Tensor:
@@ -56,7 +47,7 @@ def new_pool(model, num_blocks: int, block_size: int):
 def test_paged_logits_equal_contiguous(tiny_model, block_size):
     pool, blocks = new_pool(tiny_model, 64, block_size)
     got = paged_logits(tiny_model, pool, blocks, 0, IDS, N_PROMPT)
-    want = contiguous_logits(tiny_model, IDS, N_PROMPT)
+    want = step_by_step_logits(tiny_model, IDS, N_PROMPT)
     assert got.shape == want.shape == (len(IDS), tiny_model.config.vocab_size)
     # A lone sequence in a fresh pool has consecutive blocks: context() reads them as a view.
     assert paged.PagedBatch.from_tables([[1]], [blocks.tables[0]], [len(IDS) - 1], block_size).first_of_run == 0
@@ -78,12 +69,12 @@ def test_scattered_blocks_give_exact_results(tiny_model):
     assert len(table) == 8
     assert table != sorted(table) and any(b - a != 1 for a, b in zip(table, table[1:]))
     assert paged.PagedBatch.from_tables([[1]], [table], [len(IDS) - 1], 4).first_of_run is None   # copied
-    assert (got - contiguous_logits(tiny_model, IDS, N_PROMPT)).abs().max().item() <= 1e-5
+    assert (got - step_by_step_logits(tiny_model, IDS, N_PROMPT)).abs().max().item() <= 1e-5
 
 
 def test_ragged_paged_batch_equals_each_sequence_alone(tiny_model):
     a, b, c = list(range(10, 40)), list(range(50, 57)), list(range(70, 71))
-    alone = [contiguous_logits(tiny_model, s, len(s))[-1] for s in (a, b, c)]
+    alone = [step_by_step_logits(tiny_model, s, len(s))[-1] for s in (a, b, c)]
     pool, blocks = new_pool(tiny_model, 32, 4)
     blocks.allocate(7, 1)                            # one block taken first, so nobody starts at 0
     ta = blocks.allocate(0, 12)
