@@ -30,21 +30,23 @@ engine10 = importlib.import_module("10_model_engine")
 quant16 = importlib.import_module("16_quantization")
 SamplingParams = engine04.SamplingParams
 HELDOUT_PATH = setup.REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
-DEFAULT_MODES = ["none", "bf16", "fp16", "int8", "int8-f32head", "int4-g32", "int4-g64", "int4-g64-f32head"]
+DEFAULT_MODES = ["none", "bf16", "fp16", "int8", "int8-f32head", "int4-g32", "int4-g32-int4head",
+                 "int4-g64", "int4-g64-f32head"]
 
 
-def parse_mode(spec: str) -> tuple[str, int, bool]:
-    """'int4-g64-f32head' -> ('int4', 64, False): quant, group size, quantise the head?"""
+def parse_mode(spec: str) -> tuple[str, int, str]:
+    """'int4-g64-f32head' -> ('int4', 64, 'f32'): quant, group size, the head's format."""
     quant, *rest = spec.split("-")
-    group, head = 32, True
+    group, head = 32, "auto"
     for part in rest:
         if part.startswith("g") and part[1:].isdigit():
             group = int(part[1:])
-        elif part == "f32head":
-            head = False
+        elif part.endswith("head") and part.removesuffix("head") in quant16.HEAD_FORMATS:
+            head = part.removesuffix("head")
         else:
-            raise ValueError(f"cannot read mode {spec!r}: expected e.g. int8, int4-g64, int4-g32-f32head")
-    quant16.check_settings(quant, group)
+            raise ValueError(f"cannot read mode {spec!r}: expected e.g. int8, int4-g64, int4-g32-f32head, "
+                             f"int4-g32-int4head")
+    quant16.check_settings(quant, group, head)
     return quant, group, head
 
 
@@ -163,7 +165,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 12: weight formats measured side by side.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
-                        help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32")
+                        help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32, "
+                             "'-int4head' packs it in int4 too")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="alternating speed rounds (median is shown)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate batch-1 anchor")

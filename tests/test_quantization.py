@@ -79,6 +79,24 @@ def test_fast_int4_is_smaller_than_reference_and_int8():
         int4.dequantize()
 
 
+def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model_dir):
+    """Packed int4 rows cannot be read back, so the tied matrix splits: int4 for the logits, int8 for lookups."""
+    base = model10.LlamaModel.from_folder(tiny_model_dir)
+    assert base.config.tie_word_embeddings
+    default = quant16.QuantizedModel.from_model(base, "int4", 32)
+    packed = quant16.QuantizedModel.from_model(base, "int4", 32, head="int4")
+    assert default.w["lm_head"] is default.w["embed"] and isinstance(default.w["embed"], quant16.Int8Weight)
+    assert isinstance(packed.w["lm_head"], quant16.Int4Weight) and isinstance(packed.w["embed"], quant16.Int8Weight)
+    assert packed.weight_bytes == default.weight_bytes + packed.w["lm_head"].nbytes
+    assert quant16.describe("int4", 32, "int4") == "int4 g32, head int4"
+    assert quant16.describe("int4", 32, "int8") == quant16.describe("int4", 32) == "int4 g32"
+    ids = list(range(100, 140))
+    batch = model10.RaggedBatch.build([ids], [0], [0], len(ids))
+    logits = [m.forward(batch, m.new_cache(1, len(ids)), all_logits=True) for m in (default, packed)]
+    # the same layers and embedding: only the head's rounding separates the two
+    assert 0 < float((logits[0] - logits[1]).abs().max()) < 0.1 * float(logits[0].abs().max())
+
+
 def test_embedding_rows_come_from_the_int8_table():
     w = random_weight()
     table, rows = quant16.Int8Weight(w), torch.tensor([0, 7, 3, 7])
@@ -105,7 +123,7 @@ def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch)
     """06_benchmark and 05_server build Class(model, device=...): the mode comes from the environment."""
     monkeypatch.setenv("ENGINE_QUANT", "int4")
     monkeypatch.setenv("ENGINE_GROUP_SIZE", "64")
-    monkeypatch.setenv("ENGINE_QUANT_HEAD", "0")
+    monkeypatch.setenv("ENGINE_QUANT_HEAD", "f32")
     engine = engine04.load_engine("16_quantization:QuantizedEngine", str(tiny_model_dir), device="cpu")
     assert engine.quant == "int4 g64, head f32"
     assert isinstance(engine.model.w["model.layers.0.qkv"], quant16.Int4Weight)
@@ -137,6 +155,13 @@ def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
         quant16.Int8Weight(torch.randn(4, 32), path="quick")
     with pytest.raises(ValueError, match="cannot read mode"):
         demo16.parse_mode("int4-q32")
+    monkeypatch.delenv("ENGINE_GROUP_SIZE")
+    with pytest.raises(ValueError, match="unknown head format"):
+        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8", head="int3")
+    monkeypatch.setenv("ENGINE_QUANT_HEAD", "yes")
+    with pytest.raises(ValueError, match="unknown head format 'yes'"):
+        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8")
+    assert demo16.parse_mode("int4-g64-int4head") == ("int4", 64, "int4")
 
 
 def test_agreement_counts_tokens_before_the_first_divergence():
