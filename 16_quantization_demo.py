@@ -161,12 +161,13 @@ def plot(rows: list[dict], path: str) -> None:
 
     rows = [r for r in rows if r.get("ppl")]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for key, marker, label in (("b1", "o", "batch 1"), ("b32", "s", "batch 32 (tokens/s / 10)")):
+    for key, marker, label in (("b1", "o", "batch-1 decode"), ("b32", "s", "batch 32 (tokens/s / 10)")):
         xs = [r[key] / (10 if key == "b32" else 1) for r in rows]
         ax.scatter(xs, [r["ppl"] for r in rows], marker=marker, label=label)
-        if key == "b1":
-            for r, x in zip(rows, xs):
-                ax.annotate(r["name"], (x, r["ppl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        if key == "b1":   # neighbours (int8 and int8 with a float32 head) get labels above and below
+            for i, (r, x) in enumerate(zip(rows, xs)):
+                ax.annotate(r["name"], (x, r["ppl"]), textcoords="offset points", fontsize=8,
+                            xytext=(5, 5 if i % 2 else -11))
     ax.set_xlabel("tokens/s (higher is better)")
     ax.set_ylabel("perplexity on held-out text (lower is better)")
     ax.set_title("Chapter 12: speed against quality, one weight format per point")

@@ -137,6 +137,7 @@ CAPTURES = [
     Capture("16_quantization", [
         "python 16_quantization.py --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
+    Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see llama_cpp_anchor.py for the file)
     Capture("16_llama_cpp_anchor", [
         "python 16_quantization.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "

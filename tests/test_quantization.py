@@ -207,3 +207,17 @@ def test_llama_cpp_anchor_refuses_clearly(tmp_path, monkeypatch):
     engine = object.__new__(anchor.LlamaCppEngine)   # the parameter check comes before any llama.cpp call
     with pytest.raises(ValueError, match="plain greedy"):
         engine.generate("Hi", 4, engine04.SamplingParams(temperature=0.7))
+
+
+def test_ceiling_parts_run_on_every_format(tiny_model_dir):
+    """16_quantization_ceiling times matmuls apart from the rest: its hollow model must skip every
+    matmul (all-zero logits) yet run the same forward, for float32 and quantised weights alike."""
+    ceiling = load_script("16_quantization_ceiling")
+    base = model10.LlamaModel.from_folder(tiny_model_dir)
+    for model in (base, quant16.QuantizedModel.from_model(base, "int4", 32)):
+        hollow = ceiling.without_matmuls(model)
+        batch = model10.RaggedBatch.build([[5, 6, 7]], [0], [0], 8)
+        logits = hollow.forward(batch, hollow.new_cache(1, 8))
+        assert logits.shape == (1, base.config.vocab_size) and not logits.any()
+        assert model.forward(batch, model.new_cache(1, 8)).any()     # the original is untouched
+        assert ceiling.matmuls_ms(model) > 0 and ceiling.step_ms(model, context=3, steps=2) > 0

@@ -1,0 +1,108 @@
+"""16_quantization_ceiling.py - how fast can quantised weights make batch-1 decode, with these kernels?
+
+A decode step is the 121 matmuls of its weights (4 per layer, and the LM head) plus
+everything else: norms, RoPE, attention, the KV-cache writes, Python. Quantisation only
+shrinks the first part. This times the parts apart, per weight format, on the real model:
+
+    matmuls          one step's 121 matmuls back to back (with the casts to and from bf16)
+    everything else  whole decode steps with every matmul replaced by a ready-made result
+    whole step       real decode steps
+
+The formats alternate in every round, and the medians are shown.
+
+    python 16_quantization_ceiling.py
+    python 16_quantization_ceiling.py --modes none int8 int4-g32 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import statistics
+import sys
+import time
+
+import torch
+
+model10 = importlib.import_module("10_model")
+engine10 = importlib.import_module("10_model_engine")
+demo16 = importlib.import_module("16_quantization_demo")
+engine04 = importlib.import_module("04_engine")
+
+
+def matmuls_ms(model: model10.LlamaModel) -> float:
+    """One decode step's weight matmuls, nothing else: what quantisation changes."""
+    c = model.config
+    hidden, inner = torch.randn(1, c.hidden_size), torch.randn(1, c.intermediate_size)
+    t0 = time.perf_counter()
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for name, x in (("qkv", hidden), ("o", hidden), ("gate_up", hidden), ("down", inner)):
+            model.linear(x, p + name)
+    model.linear(hidden, "lm_head")
+    return (time.perf_counter() - t0) * 1e3
+
+
+def without_matmuls(model: model10.LlamaModel) -> model10.LlamaModel:
+    """The same model, except that linear() hands back a ready-made zero tensor of the right shape."""
+    c, hollow, ready = model.config, copy.copy(model), {}
+    out_features = {"qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "o": c.hidden_size,
+                    "gate_up": 2 * c.intermediate_size, "down": c.hidden_size, "lm_head": c.vocab_size}
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        key = (x.shape[0], name.rsplit(".", 1)[-1])
+        if key not in ready:
+            ready[key] = torch.zeros(x.shape[0], out_features[key[1]], dtype=x.dtype, device=x.device)
+        return ready[key]
+    hollow.linear = linear
+    return hollow
+
+
+def step_ms(model: model10.LlamaModel, context: int = 40, steps: int = 16) -> float:
+    """Median time of a whole batch-1 decode step after a `context`-token prefill."""
+    cache = model.new_cache(1, context + steps)
+    model.forward(model10.RaggedBatch.build([list(range(100, 100 + context))], [0], [0], context + steps), cache)
+    times = []
+    for t in range(steps):
+        batch = model10.RaggedBatch.build([[5]], [0], [context + t], context + steps)
+        t0 = time.perf_counter()
+        model.forward(batch, cache)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 12: the matmuls' share of a batch-1 decode step.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4-g32", "int4-g64"])
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (the median is shown)")
+    engine04.add_threads_flag(parser)
+    args = parser.parse_args()
+    try:
+        specs = list(dict.fromkeys(["none", *args.modes]))      # float32 first: every ratio is against it
+        base = engine10.ModelEngine(args.model, device="cpu")
+        models = {demo16.quant16.describe(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    mm, rest, step = {n: [] for n in models}, {n: [] for n in models}, {n: [] for n in models}
+    hollow = {name: without_matmuls(model) for name, model in models.items()}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            print(f"[round {r + 1}/{args.rounds}]", file=sys.stderr, flush=True)
+            for name, model in models.items():
+                matmuls_ms(model)                                # warm: the first pass pays for page faults
+                mm[name].append(statistics.median(matmuls_ms(model) for _ in range(5)))
+                rest[name].append(step_ms(hollow[name]))
+                step[name].append(step_ms(model))
+    median = {name: [statistics.median(m[name]) for m in (mm, rest, step)] for name in models}
+    first = median[next(iter(models))]
+    print(f"\n[Chapter 12] batch-1 decode on {torch.get_num_threads()} CPU threads, median of {args.rounds} "
+          f"alternating rounds; ratios: float32's time over the mode's\n")
+    print(f"  {'mode':<14}{'matmuls':>20}{'everything else':>20}{'whole step':>20}")
+    for name, times in median.items():
+        print("  " + f"{name:<14}" + "".join(f"{t:>10.1f} ms ({f / t:.2f}x)" for t, f in zip(times, first)))
+
+
+if __name__ == "__main__":
+    main()
