@@ -221,3 +221,20 @@ def test_ceiling_parts_run_on_every_format(tiny_model_dir):
         assert logits.shape == (1, base.config.vocab_size) and not logits.any()
         assert model.forward(batch, model.new_cache(1, 8)).any()     # the original is untouched
         assert ceiling.matmuls_ms(model) > 0 and ceiling.step_ms(model, context=3, steps=2) > 0
+
+
+def test_decode_rate_uses_tpot_or_takes_the_prefill_off(tiny_model_dir):
+    """Batch-1 speed is decode speed: from TPOT where the engine reports it, else from a second,
+    one-token request that times the prefill alone (HF generate's case)."""
+    engine = load_script("10_model_engine").ModelEngine(str(tiny_model_dir), device="cpu")
+    rate = demo16.decode_rate(engine, "Hello", 6)
+    assert 0 < rate < float("inf")
+    calls = []
+
+    class NoTPOT:
+        def generate(self, prompt, max_new_tokens, params):
+            calls.append(max_new_tokens)
+            result = engine.generate(prompt, max_new_tokens, params)
+            result.metrics.tpot_ms = None
+            return result
+    assert 0 < demo16.decode_rate(NoTPOT(), "Hello", 16) < float("inf") and calls == [16, 1]
