@@ -44,6 +44,7 @@ def matmuls_ms(model: model10.LlamaModel) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+# --8<-- [start:hollow]
 def without_matmuls(model: model10.LlamaModel) -> model10.LlamaModel:
     """The same model, except that linear() hands back a ready-made zero tensor of the right shape."""
     c, hollow, ready = model.config, copy.copy(model), {}
@@ -57,6 +58,7 @@ def without_matmuls(model: model10.LlamaModel) -> model10.LlamaModel:
         return ready[key]
     hollow.linear = linear
     return hollow
+# --8<-- [end:hollow]
 
 
 def step_ms(model: model10.LlamaModel, context: int = 40, steps: int = 16) -> float:
