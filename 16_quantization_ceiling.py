@@ -28,20 +28,8 @@ import torch
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
 demo16 = importlib.import_module("16_quantization_demo")
+matmuls_ms = importlib.import_module("13_matmul_bound").matmuls_ms   # one decode step's weight matmuls
 engine04 = importlib.import_module("04_engine")
-
-
-def matmuls_ms(model: model10.LlamaModel) -> float:
-    """One decode step's weight matmuls, nothing else: what quantisation changes."""
-    c = model.config
-    hidden, inner = torch.randn(1, c.hidden_size), torch.randn(1, c.intermediate_size)
-    t0 = time.perf_counter()
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        for name, x in (("qkv", hidden), ("o", hidden), ("gate_up", hidden), ("down", inner)):
-            model.linear(x, p + name)
-    model.linear(hidden, "lm_head")
-    return (time.perf_counter() - t0) * 1e3
 
 
 # --8<-- [start:hollow]

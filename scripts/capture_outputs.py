@@ -133,6 +133,7 @@ CAPTURES = [
         "python 06_benchmark_online.py --workload mixed --num-prompts 32 --concurrency 32 --runs 1 --ignore-e"
         "os --timeout 3600 --engine 04_engine:BaselineEngine --engine 13_continuous_batching:ContinuousBatchingEngine",
     ], timeout_s=3600),
+    Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
     # Chapter 12 (quantisation)
     Capture("16_quantization", [
         "python 16_quantization.py --plot book/assets/ch12-quantization.png",

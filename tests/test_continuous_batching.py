@@ -684,3 +684,18 @@ def test_real_model_with_preemption_and_chunks_equals_the_baseline(real_engine, 
     assert engine.stats()["preemptions"] > 0
     assert any(0 < start < plen for s in trace.steps for start, plen in zip(s["starts"], s["prompt_lens"]))
     assert_idle(engine)
+
+
+def test_matmul_bound_times_every_weight_matmul_once(tiny_model_dir):
+    """13_matmul_bound (and Chapter 12's ceiling) time a forward's weight matmuls alone: each layer's four
+    matrices with `tokens` rows and the LM head with one row per sampling sequence, nothing skipped."""
+    bound = load_script("13_matmul_bound")
+    model = load_script("10_model").LlamaModel.from_folder(tiny_model_dir)
+    seen = []
+    real_linear = model.linear
+    model.linear = lambda x, name: seen.append((name, tuple(x.shape))) or real_linear(x, name)
+    assert bound.matmuls_ms(model, tokens=5, heads=2) > 0
+    c = model.config
+    expected = [(f"model.layers.{i}.{n}", (5, c.intermediate_size if n == "down" else c.hidden_size))
+                for i in range(c.num_layers) for n in ("qkv", "o", "gate_up", "down")]
+    assert seen == expected + [("lm_head", (2, c.hidden_size))]

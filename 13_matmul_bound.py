@@ -1,0 +1,94 @@
+"""13_matmul_bound.py - how fast could any schedule run the mixed workload on these matmuls?
+
+Continuous batching decides which tokens share a step; it cannot make a step's matrix
+multiplies cheaper. So the matmuls alone bound what it can reach: run the workload once,
+note every step's shape (tokens in the forward, sequences that sample), then time just the
+weight matmuls of each shape and add them up. Attention, the KV gather, sampling and Python
+all count as free in that sum, so no scheduler, attention kernel or leaner loop on these
+weights and this GEMM can beat the bound.
+
+    python 13_matmul_bound.py                       # the 32-request mixed workload, all at once
+    python 13_matmul_bound.py --requests 8          # a quicker look
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+import torch
+
+engine04 = importlib.import_module("04_engine")
+bench = importlib.import_module("06_benchmark_offline")
+cb = importlib.import_module("13_continuous_batching")
+
+
+# --8<-- [start:matmuls]
+def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
+    """One forward's weight matmuls and nothing else: `tokens` rows through every layer's four
+    matrices, `heads` rows (the sequences that sample) through the LM head."""
+    c = model.config
+    hidden, inner = torch.randn(tokens, c.hidden_size), torch.randn(tokens, c.intermediate_size)
+    last = torch.randn(heads, c.hidden_size)
+    t0 = time.perf_counter()
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for name, x in (("qkv", hidden), ("o", hidden), ("gate_up", hidden), ("down", inner)):
+            model.linear(x, p + name)
+    if heads:
+        model.linear(last, "lm_head")
+    return (time.perf_counter() - t0) * 1e3
+# --8<-- [end:matmuls]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 9: the matmuls' bound on continuous batching.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--requests", type=int, default=32, help="first N of the mixed workload (default 32)")
+    engine04.add_threads_flag(parser)
+    args = parser.parse_args()
+    if args.requests < 1:
+        parser.error("--requests must be >= 1")
+    try:
+        engine = cb.ContinuousBatchingEngine(args.model, device="cpu")
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    params = engine04.SamplingParams(ignore_eos=True)
+    items = bench.mixed_workload(engine.tokenizer, args.requests)
+    engine.generate(items[0].prompt, 2, params)                  # warm-up
+    shapes = []
+    engine.on_step = lambda work, events: shapes.append((work.num_tokens, len(events)))
+    print(f"[run] {len(items)} requests of the mixed workload, all at once ...", flush=True)
+    t0 = time.perf_counter()
+    streams = [engine.submit(it.prompt, it.max_new_tokens, params) for it in items]   # each its own budget
+    results = [stream.result() for stream in streams]
+    wall = time.perf_counter() - t0
+    engine.on_step = None
+    tokens = sum(r.metrics.output_tokens for r in results)
+
+    print(f"[matmuls] timing the {len(set(shapes))} step shapes ...", flush=True)
+    cost = {}
+    with torch.inference_mode():
+        for shape in sorted(set(shapes)):
+            matmuls_ms(engine.model, *shape)                      # warm
+            cost[shape] = min(matmuls_ms(engine.model, *shape) for _ in range(5))   # a bound: the fastest
+    bound = sum(cost[s] for s in shapes) / 1e3
+    engine.close()
+
+    print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {torch.get_num_threads()} CPU threads\n")
+    print(f"  {'':<34}{'seconds':>9}{'tokens/s':>10}")
+    print(f"  {'continuous batching, measured':<34}{wall:>9.1f}{tokens / wall:>10.1f}")
+    print(f"  {'the same steps, matmuls alone':<34}{bound:>9.1f}{tokens / bound:>10.1f}")
+    print(f"\n  {'tokens in the step':<20}{'steps':>7}{'matmul seconds':>16}")
+    buckets = {"1 to 7": [0, 0.0], "8 to 31": [0, 0.0], "32 to 63": [0, 0.0], "64 and more": [0, 0.0]}
+    for s in shapes:
+        label = list(buckets)[sum(s[0] >= edge for edge in (8, 32, 64))]
+        buckets[label][0] += 1
+        buckets[label][1] += cost[s] / 1e3
+    for label, (n, secs) in buckets.items():
+        print(f"  {label:<20}{n:>7}{secs:>16.1f}")
+
+
+if __name__ == "__main__":
+    main()
