@@ -21,12 +21,10 @@ that hands the packed integers to torch's kernels, which dequantise inside the d
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
 model10 = importlib.import_module("10_model")
-engine10 = importlib.import_module("10_model_engine")
 
 MODES = ("none", "bf16", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)       # what torch's int4 kernels accept
@@ -239,50 +237,22 @@ class QuantizedModel(model10.LlamaModel):
 # --8<-- [end:model]
 
 
-# --8<-- [start:engine]
-class QuantizedEngine(engine10.ModelEngine):
-    """Chapter 6's engine on a quantised model. 05_server and 06_benchmark build engines as
-    Class(model, device=...), so the mode can also come from ENGINE_QUANT (default int8),
-    ENGINE_GROUP_SIZE (default 32) and ENGINE_QUANT_HEAD (auto, f32, int8 or int4; default auto)."""
-
-    default_quant: str | None = None   # subclasses below pin a mode for `--engine` specs
-
-    def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32,
-                 kv_memory: int = engine10.DEFAULT_KV_MEMORY, quant: str | None = None,
-                 group_size: int | None = None, head: str | None = None, path: str = "fast"):
-        quant = quant or self.default_quant or os.environ.get("ENGINE_QUANT", "int8")
-        try:
-            group_size = int(group_size or os.environ.get("ENGINE_GROUP_SIZE", 32))
-        except ValueError:
-            raise ValueError(f"ENGINE_GROUP_SIZE must be an integer, got {os.environ['ENGINE_GROUP_SIZE']!r}")
-        head = head or os.environ.get("ENGINE_QUANT_HEAD", "auto")
-        check_settings(quant, group_size, head)   # refuse bad settings before loading anything
-        super().__init__(model_name, device, dtype, max_batch_size, kv_memory)
-        self.model = QuantizedModel.from_model(self.model, quant, group_size, head, path)
-        self.quant = describe(quant, group_size, head)
-        print(f"[engine] weights: {self.quant}, {self.model.weight_bytes / 1e6:.0f} MB", flush=True)
-# --8<-- [end:engine]
-
-
-class BF16Engine(QuantizedEngine):
-    default_quant = "bf16"
-
-
-class Int8Engine(QuantizedEngine):
-    default_quant = "int8"
-
-
-class Int4Engine(QuantizedEngine):
-    default_quant = "int4"
-
-
 def describe(quant: str, group_size: int, head: str = "auto") -> str:
     """'int4 g32, head int4': the layers' format, then the head's where it is not the default."""
     name = {"none": "float32"}.get(quant, quant) + (f" g{group_size}" if quant == "int4" else "")
     if head_format(quant, head) != head_format(quant, "auto"):
         name += f", head {head_format(quant, head)}"
     return name
+
+
+ENGINES = ("QuantizedEngine", "BF16Engine", "Int8Engine", "Int4Engine")
+
+
+def __getattr__(name: str):
+    """`16_quantization:Int4Engine` works as an engine spec: the engines live in 16_quantization_engine.py."""
+    if name in ENGINES:
+        return getattr(importlib.import_module("16_quantization_engine"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
