@@ -172,3 +172,22 @@ def test_real_model_greedy_equals_baseline(real_engine, default_model_dir, refer
         want = real_engine.generate(prompt, 24)
         assert got.output_ids == want.output_ids
         assert ours.generate(prompt, 24).output_ids == want.output_ids
+
+
+def test_profile_parts_add_up_and_floors_scale_with_the_batch(tiny_model_dir, tmp_path, capsys):
+    """10_profile: the parts of a step (overhead is the remainder) add up to the step, the bandwidth floor
+    is the same at every batch size, the FLOP floor grows with the rows, and the plot is written."""
+    profile = load_script("10_profile")
+    engine = engine10.ModelEngine(str(tiny_model_dir), device="cpu")
+    table = profile.profile_decode(engine, batch_sizes=(1, 3), steps=2)
+    assert table["bandwidth"] > 0 and table["flops"] > 0 and table["weight_bytes"] == engine.model.weight_bytes
+    for rows in table["rows"].values():
+        assert sum(rows[p] for p in profile.PARTS) == pytest.approx(rows["total"], rel=1e-6)
+        assert all(rows[p] >= 0 for p in profile.PARTS)
+    one, three = table["rows"][1], table["rows"][3]
+    assert one["floor_bandwidth"] == three["floor_bandwidth"]
+    assert three["floor_flops"] == pytest.approx(3 * one["floor_flops"])
+    profile.print_profile(table)
+    assert "of the tighter floor" in capsys.readouterr().out
+    profile.plot_profile(table, str(tmp_path / "profile.png"))
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
