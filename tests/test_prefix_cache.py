@@ -350,3 +350,24 @@ def test_continuous_batching_reports_cached_tokens_through_the_server(cb_engines
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert [body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in bodies] == [0, common // BS * BS]
     assert 0 < on.stats()["prefix_cache_hit_rate"] < 1
+
+
+def test_demo_measures_hits_and_shared_blocks_and_keeps_outputs(tiny_model_dir, tmp_path, capsys):
+    """12_prefix_cache_demo on the tiny model: the questions after the first find the system prompt cached,
+    every turn of a conversation finds the turns before it, all at once the prompts share blocks, and
+    off/on outputs agree (off_and_on exits otherwise)."""
+    demo = load_script("12_prefix_cache_demo")
+    workload = demo.load_workload()
+    engine = pc.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, block_size=16)
+    qa = demo.shared_system_prompt(engine, workload, 3, 2)
+    assert qa[0]["cached"] == 0 and all(r["cached"] >= r["prompt_tokens"] // 2 for r in qa[1:])
+    engine.reset_prefix_cache()
+    chat_workload = {"system": "You are terse.", "conversation": ["Hi there.", "What is 2+2?", "And 3+3?"]}
+    chat = demo.conversation(engine, chat_workload, 2)
+    assert chat[0]["cached"] == 0 and all(r["cached"] > 0 for r in chat[1:])
+    without, shared = demo.blocks_if_concurrent(engine, workload, 3)
+    assert shared < without
+    demo.summarize(engine, qa, chat, workload)
+    assert f"{without - shared} saved" in capsys.readouterr().out
+    demo.plot(qa, chat, str(tmp_path / "ch8.png"))
+    assert (tmp_path / "ch8.png").read_bytes()[:4] == b"\x89PNG"
