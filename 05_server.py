@@ -281,6 +281,17 @@ class ClientGone(Exception):
     """The client hung up before its answer was ready."""
 
 
+async def all_or_nothing(awaitables) -> list:
+    """asyncio.gather, except that the first failure cancels the others: their answer is not sent."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
 async def until_disconnected(request: Request, awaitable):
     """Await the work, but cancel it (its clean-up frees the engine) if the client hangs up first."""
     work = asyncio.ensure_future(awaitable)
@@ -566,9 +577,14 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 raise APIError(400, "streaming takes a single prompt", param="prompt")
             chunk = chunk_maker("text_completion", rid, created, chat=False)
             return await streaming_response(prompts[0], max_tokens, params, chunk, False, req, request)
+        if batching and len(prompts) > 1 and hasattr(engine, "new_request"):   # all or none: one bad
+            try:                                                               # prompt refuses the list
+                await run_in_threadpool(lambda: [engine.new_request(p, max_tokens, params) for p in prompts])
+            except Exception as exc:
+                raise from_engine_error(exc) from exc
         if len(prompts) == 1 or batching:   # cancellable on a hang-up; a batching engine runs them together
             results = await until_disconnected(
-                request, asyncio.gather(*(generate_one(p, max_tokens, params) for p in prompts)))
+                request, all_or_nothing(generate_one(p, max_tokens, params) for p in prompts))
         else:                   # a lock-holding engine's own generate_batch, run to its end
             results = await call_engine(engine.generate_batch, prompts, max_tokens, params)
         metrics = [r.metrics.as_dict() for r in results]

@@ -221,3 +221,25 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
         stats = httpx.get(f"{url}/engine/stats").json()
     assert answers == expected
     assert max(stats["batch_sizes"]) > 1 and stats["kv_blocks_used"] == 0
+
+
+def test_a_failing_prompt_cancels_its_siblings():
+    """all_or_nothing: when one answer of a list fails, the others stop (nobody will read them)."""
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def bad():
+        raise ValueError("refused")
+
+    async def run():
+        with pytest.raises(ValueError, match="refused"):
+            await server.all_or_nothing([slow(), bad()])
+        await asyncio.sleep(0)            # let the cancellation land
+    asyncio.run(run())
+    assert cancelled == [True]
