@@ -27,6 +27,7 @@ import torch
 
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
+quant16 = importlib.import_module("16_quantization")
 demo16 = importlib.import_module("16_quantization_demo")
 matmuls_ms = importlib.import_module("13_matmul_bound").matmuls_ms   # one decode step's weight matmuls
 engine04 = importlib.import_module("04_engine")
@@ -72,7 +73,7 @@ def main() -> None:
     try:
         specs = list(dict.fromkeys(["none", *args.modes]))      # float32 first: every ratio is against it
         base = engine10.ModelEngine(args.model, device="cpu")
-        models = {demo16.quant16.describe(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
+        models = {quant16.describe(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     mm, rest, step = {n: [] for n in models}, {n: [] for n in models}, {n: [] for n in models}
