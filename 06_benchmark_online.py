@@ -42,7 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 offline = importlib.import_module("06_benchmark_offline")  # one definition of the statistics
-server = importlib.import_module("05_server")               # ... and of launching the server
+launcher = importlib.import_module("server_process")      # ... and of launching the server
 setup = offline.setup
 RequestRecord = offline.RequestRecord
 
@@ -51,7 +51,7 @@ RequestRecord = offline.RequestRecord
 def launched_server(spec: str, model: str | None, device: str | None, timeout_s: float) -> Iterator[str]:
     """Run 05_server.py with this engine until the block ends, however it ends (Ctrl-C included)."""
     print(f"[server] starting {spec} ...", flush=True)
-    with server.serve_in_subprocess(model, spec, device, startup_timeout_s=timeout_s) as url:
+    with launcher.serve_in_subprocess(model, spec, device, startup_timeout_s=timeout_s) as url:
         print(f"[server] ready on {url}", flush=True)
         yield url
 

@@ -191,8 +191,8 @@ def capture(entry: Capture) -> str:
         port = 0
         if entry.server:
             sys.path.insert(0, str(REPO_ROOT))
-            server = importlib.import_module("05_server")  # one launcher for tests, benchmarks and the book
-            url = stack.enter_context(server.serve_in_subprocess(env=env, startup_timeout_s=entry.timeout_s))
+            launcher = importlib.import_module("server_process")  # one launcher for tests, benchmarks and the book
+            url = stack.enter_context(launcher.serve_in_subprocess(env=env, startup_timeout_s=entry.timeout_s))
             port = int(url.rsplit(":", 1)[1])
         parts = []
         for command in entry.commands:

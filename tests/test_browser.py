@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO_ROOT, load_script
 
-server = load_script("05_server")
+launcher = load_script("server_process")
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 SCREENSHOT = os.environ.get("PAGE_SCREENSHOT")   # a path: also save what the browser shows
@@ -38,7 +38,7 @@ def browser():
 
 
 def test_page_streams_an_answer_and_the_panel_updates(browser, tiny_model_dir):
-    with server.serve_in_subprocess(str(tiny_model_dir), device="cpu", env={"OMP_NUM_THREADS": "1"}) as url:
+    with launcher.serve_in_subprocess(str(tiny_model_dir), device="cpu", env={"OMP_NUM_THREADS": "1"}) as url:
         browser.get(url + "/")
         wait = WebDriverWait(browser, 60)
         wait.until(lambda d: d.find_element(By.ID, "served").text == "0")   # the panel polled /engine/stats

@@ -21,6 +21,7 @@ from test_server import asgi_request
 
 server = load_script("05_server")
 server_ops = load_script("server_ops")
+launcher = load_script("server_process")
 cb = load_script("13_continuous_batching")
 engine_lib = load_script("04_engine")
 
@@ -198,7 +199,7 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
     questions = QUESTIONS
     expected = [real_engine.generate(engine_lib.render_chat(real_engine.tokenizer, [{"role": "user", "content": q}]),
                                      12).text for q in questions]
-    with server.serve_in_subprocess(model=str(default_model_dir), engine="13_continuous_batching:ContinuousBatchingEngine",
+    with launcher.serve_in_subprocess(model=str(default_model_dir), engine="13_continuous_batching:ContinuousBatchingEngine",
                                     device="cpu", args=("--kv-memory", "64MB")) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
 

@@ -12,7 +12,7 @@ from conftest import load_script
 
 openai = pytest.importorskip("openai")
 render_chat = load_script("04_engine").render_chat
-server_mod = load_script("05_server")
+launcher = load_script("server_process")
 
 PROMPTS = ["Tell me about the sea.", "What is 2+2?", "Name a colour.", "Write a haiku.",
            "Who wrote Hamlet?", "Explain gravity.", "Say hello in French.", "List three fruits."]
@@ -21,7 +21,7 @@ PROMPTS = ["Tell me about the sea.", "What is 2+2?", "Name a colour.", "Write a 
 def running_server(model: str, threads: int | None = None):
     """05_server.py as its own process on a free loopback port (the same launcher the benchmark uses)."""
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
-    return server_mod.serve_in_subprocess(model, device="cpu", startup_timeout_s=180.0, env=env)
+    return launcher.serve_in_subprocess(model, device="cpu", startup_timeout_s=180.0, env=env)
 
 
 @pytest.fixture(scope="module")

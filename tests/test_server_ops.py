@@ -18,6 +18,7 @@ from conftest import REPO_ROOT, load_script
 
 server = load_script("05_server")
 ops_lib = load_script("server_ops")
+launcher = load_script("server_process")
 HELLO = [{"role": "user", "content": "Hello!"}]
 
 
@@ -149,14 +150,14 @@ def test_request_timeout_ends_a_stream_with_an_error_and_frees_its_work(tiny_eng
 
 
 def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
-    port = server.free_port()
+    port = launcher.free_port()
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "05_server.py"), "--port", str(port),
                              "--model", str(tiny_model_dir), "--device", "cpu", "--shutdown-grace", "1"],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while not server._healthy(url):
+        while not launcher.healthy(url):
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.25)
         body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}

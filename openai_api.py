@@ -1,0 +1,282 @@
+"""openai_api.py - OpenAI's HTTP API as data: what a request may say, and how answers and errors look.
+
+05_server.py keeps the serving (the queue, the engine's stream, the endpoints); this file
+keeps the wire format, which is the same for every engine:
+
+- the request bodies, strict: a wrong type, a non-finite number or an out-of-range value is a
+  400 naming the field, and an OpenAI field this server does not implement is refused, not ignored;
+- errors in OpenAI's JSON shape, with the right status, for every way a request can fail;
+- the mapping from a request's fields to `SamplingParams`;
+- the shapes of the answer: log-probabilities, streamed chunks, usage, Server-Sent Events;
+- a cap on the request body's size, enforced while it arrives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+SamplingParams = importlib.import_module("03_contracts").SamplingParams
+
+log = logging.getLogger("05_server")
+
+
+# --8<-- [start:request-models]
+class _Strict(BaseModel):
+    # strict: "0.7" is not a temperature and true is not a token count; unknown fields are ignored.
+    # allow_inf_nan=False: Python's JSON reader turns 1e999 and Infinity into inf.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class ContentPart(_Strict):
+    type: str                                 # only "text" is served; others are refused by name
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer system
+    content: str | list[ContentPart]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+# OpenAI fields that would change the answer but that these engines do not implement, each
+# with the value that means "not used". Sent with another value they are a 400, not ignored.
+UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
+               "response_format": None, "best_of": (None, 1), "echo": (None, False),
+               "suffix": None, "min_p": (None, 0, 0.0), "audio": None, "modalities": None, "prediction": None}
+
+
+def refuse_unsupported(extra: dict) -> None:
+    for name, unused in UNSUPPORTED.items():
+        if name in extra and extra[name] not in (unused if isinstance(unused, tuple) else (unused,)):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+
+class SamplingFields(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # extras checked below
+    model: str | None = None                  # omitted, or the served model's id
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)   # 0 = greedy (OpenAI: 0 to 2, default 1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)               # vLLM extension; 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)             # one choice per prompt: no parallel sampling here
+    ignore_eos: bool = False                  # vLLM extension, for benchmarks
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Adjustments to the logits (null means off); SamplingParams checks what JSON cannot.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)   # vLLM extension; 1 = off
+    logit_bias: dict[str, float] | None = None   # JSON keys are strings: token id -> -100..100
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None              # the chosen tokens' log-probabilities ...
+    top_logprobs: int | None = Field(None, ge=0, le=20)   # ... and this many alternatives each
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)   # legacy form: the number of alternatives
+# --8<-- [end:request-models]
+
+
+# --8<-- [start:errors]
+class APIError(Exception):
+    """An error the client should see, in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+        self.code = code or status
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    """The engine refused the request (ValueError: e.g. prompt too long) or broke (anything else)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    log.error("engine failed", exc_info=exc)
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type_="server_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": ...}.
+        err = exc.errors()[0]
+        if err.get("type") == "json_invalid":
+            return await api_error(_, APIError(400, f"the body is not valid JSON: {err['ctx']['error']} "
+                                                    f"at character {err['loc'][-1]}"))
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
+        return await api_error(_, APIError(400, message, param=loc[0] if loc else None))
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return await api_error(_, APIError(exc.status_code, str(exc.detail)))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return await api_error(_, from_engine_error(exc))  # a JSON 500, and the server lives on
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+# --8<-- [end:errors]
+
+
+def sampling_params(req: SamplingFields) -> SamplingParams:
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    try:
+        bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    try:
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
+                              logit_bias=bias, logprobs=logprobs,
+                              **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
+    except ValueError as exc:   # SamplingParams' messages start with the field's name
+        name = str(exc).split()[0]
+        raise APIError(400, str(exc), param=name if name in type(req).model_fields else None) from exc
+
+
+# --8<-- [start:logprobs]
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)   # JSON has no -Infinity; vLLM reports the same floor
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """Chat's shape: each token with its text, bytes, log-probability and alternatives."""
+    def one(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(tokenizer, entries, offset: int = 0) -> dict:
+    """The legacy completions shape: parallel lists, alternatives as {token text: log-probability}."""
+    tokens = [tokenizer.decode([e.token_id]) for e in entries]
+    starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{tokenizer.decode([t]): _logprob(lp) for t, lp in e.top} for e in entries],
+            "text_offset": starts}
+# --8<-- [end:logprobs]
+
+
+MAX_BODY_BYTES = 2 << 20   # 2 MiB: far more text than any context window here holds
+
+
+class BodyLimit:
+    """Refuse a request body over max_bytes with a 413, counting as it arrives, before parsing."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:   # a chunked body that never declared its length
+                raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than {self.max_bytes} bytes"
+
+    async def _refuse(self, scope, receive, send):
+        await JSONResponse(APIError(413, self._message()).body(), status_code=413)(scope, receive, send)
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """OpenAI's message forms as the chat template expects them: text parts joined, developer as system."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if not isinstance(content, str):
+            refused = [p.type for p in content if p.type != "text" or p.text is None]
+            if refused:
+                raise APIError(400, f"messages[{i}].content: only text parts are supported, got {refused[0]!r}",
+                               param="messages")
+            content = "".join(p.text for p in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def sse(obj: dict | str) -> str:
+    """One Server-Sent Event."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def usage(results) -> dict:
+    prompt = sum(r.metrics.input_tokens for r in results)
+    completion = sum(r.metrics.output_tokens for r in results)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = [r.metrics.cached_tokens for r in results if r.metrics.cached_tokens is not None]
+    if cached:   # OpenAI's field; only engines with a prefix cache (Chapter 8) measure it
+        out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return out
+
+
+def chunk_maker(kind: str, rid: str, created: int, chat: bool, tokenizer, model_name: str) -> Callable[..., dict]:
+    """One streamed answer's chunks. It remembers what it sent, so that each log-probability goes out once."""
+    sent = {"entries": 0, "chars": 0}   # log-probabilities and text already streamed
+
+    def chunk(delta, finish_reason=None, result=None) -> dict:
+        text = delta.get("content", "") if chat else delta
+        # A piece carries its tokens' log-probabilities; the final chunk brings any left
+        # over (a token without text, such as EOS, or an engine whose pieces carry none).
+        entries = list(getattr(text, "logprobs", ()))
+        if result is not None and result.logprobs:
+            entries += result.logprobs[sent["entries"] + len(entries):]
+        logprobs = None
+        if entries:
+            logprobs = chat_logprobs(tokenizer, entries) if chat else \
+                completion_logprobs(tokenizer, entries, sent["chars"])
+        sent["entries"] += len(entries)
+        sent["chars"] += len(text)
+        choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
+    return chunk

@@ -1,0 +1,73 @@
+"""server_process.py - 05_server.py as a process of its own, for benchmarks, end-to-end tests and the book.
+
+A server measured from inside its own process shares the interpreter (and its GIL) with
+the client; the numbers a user sees come from a separate process over a real socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+SERVER_SCRIPT = Path(__file__).resolve().parent / "05_server.py"
+
+
+def free_port() -> int:
+    """A loopback port nobody is listening on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --8<-- [start:subprocess]
+@contextlib.contextmanager
+def serve_in_subprocess(model: str | None = None, engine: str | None = None, device: str | None = None,
+                        startup_timeout_s: float = 180.0, env: dict | None = None,
+                        args: tuple[str, ...] = ()) -> Iterator[str]:
+    """Run 05_server.py as its own process on a free loopback port; yield its base URL.
+
+    Waits until /health answers, and stops the server when the block ends, however it
+    ends (an exception, Ctrl-C). Benchmarks, end-to-end tests and the book all use it.
+    """
+    port = free_port()
+    cmd = [sys.executable, str(SERVER_SCRIPT), "--host", "127.0.0.1", "--port", str(port)]
+    for flag, value in (("--engine", engine), ("--model", model), ("--device", device)):
+        cmd += [flag, value] if value else []   # omitted: the server's own default
+    cmd += list(args)
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=SERVER_SCRIPT.parent,
+                                env={**os.environ, **(env or {})})
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while not healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = "".join(log.readlines()[-15:])
+                    raise RuntimeError(f"the server ({engine or 'default engine'}) did not come up, exit code {proc.returncode}:\n{tail}")
+                time.sleep(0.25)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+# --8<-- [end:subprocess]
