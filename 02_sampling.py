@@ -72,9 +72,11 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    # Drop a token if the tokens ranked above it already reach p. The top token is
-    # therefore always kept, however peaked the distribution is.
+    # Drop a token if the tokens ranked above it already reach p. The top token is always
+    # kept, however peaked the distribution is, and however small p: compared with float32
+    # probabilities, a p below float32's range (1e-300) rounds to 0, which would drop it too.
     drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p
+    drop_sorted[..., 0] = False
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 # --8<-- [end:top-p]

@@ -24,7 +24,9 @@ SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
 # OpenAI's bounds for the logit adjustments and log-probabilities; vLLM's repetition_penalty
 # has none, but beyond 2 it only garbles text, and 0 or less would flip or divide by zero.
 PENALTY_RANGE = (-2.0, 2.0)            # presence_penalty, frequency_penalty
-REPETITION_RANGE = (0.0, 2.0)          # repetition_penalty, in (0, 2]; 1 is off
+REPETITION_RANGE = (0.01, 2.0)         # repetition_penalty; 1 is off. Below 0.01 a seen token's logit
+                                       # is multiplied past float32's range: inf, then NaN probabilities
+MIN_TEMPERATURE = 1e-5                 # a sampling temperature; logits / 1e-300 overflow float32 the same way
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 300                   # entries in one logit_bias
 MAX_TOP_LOGPROBS = 20
@@ -63,8 +65,8 @@ class SamplingParams:
                      "frequency_penalty"):   # NaN slips past every comparison below
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -78,7 +80,7 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters, "
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters each, "
                              f"got one of {max(len(s) for s in self.stop)}")
         self._check_adjustments()
 
@@ -87,8 +89,8 @@ class SamplingParams:
             if not PENALTY_RANGE[0] <= getattr(self, name) <= PENALTY_RANGE[1]:
                 raise ValueError(f"{name} must be between {PENALTY_RANGE[0]:g} and {PENALTY_RANGE[1]:g}, "
                                  f"got {getattr(self, name)}")
-        if not REPETITION_RANGE[0] < self.repetition_penalty <= REPETITION_RANGE[1]:
-            raise ValueError(f"repetition_penalty must be in ({REPETITION_RANGE[0]:g}, {REPETITION_RANGE[1]:g}] "
+        if not REPETITION_RANGE[0] <= self.repetition_penalty <= REPETITION_RANGE[1]:
+            raise ValueError(f"repetition_penalty must be between {REPETITION_RANGE[0]:g} and {REPETITION_RANGE[1]:g} "
                              f"(1 is off), got {self.repetition_penalty}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")

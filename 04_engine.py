@@ -218,6 +218,10 @@ class BaselineEngine(BaseOfflineEngine):
         """Tokenize one prompt onto the device, refusing requests the model cannot serve."""
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt must be a non-empty string")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:   # "\ud800": half of a UTF-16 pair, which no tokenizer reads
+            raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {exc.start}") from None
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         input_ids = self.tokenizer(prompt, return_tensors="pt").input_ids
@@ -325,6 +329,11 @@ class BaselineEngine(BaseOfflineEngine):
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
         # One after another: correct, but the hardware idles. Chapter 5 batches them.
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings")
+        budget = (params or SamplingParams()).token_budget(max_new_tokens)
+        for p in prompts:          # refuse bad input before any work: all of the list or none
+            self.encode(p, budget)
         return [self.generate(p, max_new_tokens, params) for p in prompts]
     # --8<-- [end:generate]
 

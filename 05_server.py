@@ -81,11 +81,11 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 raise from_engine_error(exc) from exc
     # --8<-- [end:queue-lock]
 
-    def token_budget(prompt: str, requested: int | None) -> int:
+    def token_budget(prompt: str, requested: int | None, field: str = "max_tokens") -> int:
         if requested is not None:
             if context_length and requested > context_length:
-                raise APIError(400, f"max_tokens is {requested}, but this model's maximum context "
-                                    f"length is {context_length} tokens.", param="max_tokens")
+                raise APIError(400, f"{field} is {requested}, but this model's maximum context "
+                                    f"length is {context_length} tokens.", param=field)
             return requested
         if not context_length:
             return DEFAULT_MAX_TOKENS
@@ -93,9 +93,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         return max(1, min(DEFAULT_MAX_TOKENS, context_length - n_prompt))
 
     def check_model(req: SamplingFields) -> None:
-        api.refuse_unsupported(req.model_extra or {})
-        if req.stream_options is not None and not req.stream:
-            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        api.check_fields(req)
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
                            param="model", code="model_not_found")
@@ -122,6 +120,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         """Hand the request to the batching engine (tokenising in a thread). Refused input is a 4xx
         here, before any work; a caller cancelled meanwhile cancels the request as soon as it exists."""
         handed = asyncio.ensure_future(run_in_threadpool(engine.submit, prompt, max_tokens, params))
+        handed.add_done_callback(lambda _: lock.handed_over())   # now counted in the engine's queue
         try:
             return await asyncio.shield(handed)
         except asyncio.CancelledError:
@@ -206,7 +205,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
 
         def prepare() -> tuple[str, int]:   # template and tokenizer: in a thread, not on the event loop
             prompt = engine_lib.render_chat(engine.tokenizer, messages)
-            return prompt, token_budget(prompt, req.max_tokens or req.max_completion_tokens)
+            return prompt, token_budget(prompt, *req.token_limit())
 
         prompt, max_tokens = await run_in_threadpool(prepare)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -233,23 +232,23 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
         check_model(req)
         params = api.sampling_params(req)
-        max_tokens = await run_in_threadpool(lambda: min(token_budget(p, req.max_tokens) for p in prompts))
+        budgets = await run_in_threadpool(lambda: [token_budget(p, req.max_tokens) for p in prompts])
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             if len(prompts) > 1:
                 raise APIError(400, "streaming takes a single prompt", param="prompt")
             chunk = api.chunk_maker("text_completion", rid, created, False, engine.tokenizer, model_name)
-            return await streaming_response(prompts[0], max_tokens, params, chunk, False, req, request)
-        if batching and len(prompts) > 1 and hasattr(engine, "new_request"):   # all or none: one bad
-            try:                                                               # prompt refuses the list
-                await run_in_threadpool(lambda: [engine.new_request(p, max_tokens, params) for p in prompts])
+            return await streaming_response(prompts[0], budgets[0], params, chunk, False, req, request)
+        if len(prompts) > 1:    # all or none: one bad prompt refuses the list before any work
+            try:
+                await run_in_threadpool(check_all, prompts, budgets, params)
             except Exception as exc:
                 raise from_engine_error(exc) from exc
         if len(prompts) == 1 or batching:   # cancellable on a hang-up; a batching engine runs them together
             results = await until_disconnected(
-                request, all_or_nothing(generate_one(p, max_tokens, params) for p in prompts))
+                request, all_or_nothing(generate_one(p, b, params) for p, b in zip(prompts, budgets)))
         else:                   # a lock-holding engine's own generate_batch, run to its end
-            results = await call_engine(engine.generate_batch, prompts, max_tokens, params)
+            results = await call_engine(generate_batches, prompts, budgets, params)
         metrics = [r.metrics.as_dict() for r in results]
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -259,6 +258,24 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             "usage": api.usage(results),
             "metrics": metrics[0] if isinstance(req.prompt, str) else metrics,
         }
+
+    def check_all(prompts: list[str], budgets: list[int], params: SamplingParams) -> None:
+        """What the engine would refuse, for every prompt of a list, before any of them runs."""
+        if batching and hasattr(engine, "new_request"):
+            for prompt, budget in zip(prompts, budgets):
+                engine.new_request(prompt, budget, params)
+        elif hasattr(engine, "encode"):   # Chapter 1's checks: text, length, context window
+            for prompt, budget in zip(prompts, budgets):
+                engine.encode(prompt, params.token_budget(budget))
+
+    def generate_batches(prompts: list[str], budgets: list[int], params: SamplingParams) -> list:
+        """The engine's own generate_batch, once per distinct budget (each prompt keeps its own)."""
+        results = [None] * len(prompts)
+        for budget in sorted(set(budgets)):
+            rows = [i for i, b in enumerate(budgets) if b == budget]
+            for i, result in zip(rows, engine.generate_batch([prompts[i] for i in rows], budget, params)):
+                results[i] = result
+        return results
 
     # --8<-- [start:small-endpoints]
     @app.get("/v1/models")

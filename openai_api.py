@@ -17,17 +17,18 @@ import importlib
 import json
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
 
 log = logging.getLogger("05_server")
+MAX_PROMPTS = 64   # prompts in one /v1/completions request: a list is work for many requests
 
 
 # --8<-- [start:request-models]
@@ -36,6 +37,20 @@ class _Strict(BaseModel):
     # allow_inf_nan=False: Python's JSON reader turns 1e999 and Infinity into inf.
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
+    @field_validator("*")
+    @classmethod
+    def _text_is_unicode(cls, value):
+        # JSON can spell half of a UTF-16 pair ("\ud800"), which is no character at all: the
+        # tokenizer cannot read it and no reply could echo it. Refused here, naming the field.
+        for text in value if isinstance(value, list) else value.keys() if isinstance(value, dict) else [value]:
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"the text has a lone surrogate (\\u{ord(text[exc.start]):04x}), "
+                                     "which is not a Unicode character") from None
+        return value
+
 
 class ContentPart(_Strict):
     type: str                                 # only "text" is served; others are refused by name
@@ -43,6 +58,7 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # see chat_messages()
     role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer system
     content: str | list[ContentPart]
 
@@ -51,17 +67,47 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-# OpenAI fields that would change the answer but that these engines do not implement, each
-# with the value that means "not used". Sent with another value they are a 400, not ignored.
-UNSUPPORTED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
-               "response_format": None, "best_of": (None, 1), "echo": (None, False),
-               "suffix": None, "min_p": (None, 0, 0.0), "audio": None, "modalities": None, "prediction": None}
+# Fields of OpenAI's API, and of vLLM's extensions to it, that would change the answer but that
+# these engines do not implement, each with the values that mean "not used". Sent with another
+# value they are a 400 naming the field, not ignored. Fields that change nothing (user, metadata,
+# store, ...) are accepted, so that standard clients work.
+UNSUPPORTED = {
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
+    "best_of": (None, 1), "echo": (None, False), "suffix": None, "audio": None, "modalities": None,
+    "prediction": None, "web_search_options": None, "reasoning_effort": None, "verbosity": None,
+    # vLLM's sampling, output and prompt extensions
+    "min_p": (None, 0, 0.0), "typical_p": (None, 1, 1.0), "min_tokens": (None, 0), "length_penalty": (None, 1, 1.0),
+    "use_beam_search": (None, False), "stop_token_ids": (None, []), "bad_words": (None, []),
+    "allowed_token_ids": None, "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "prompt_logprobs": None, "truncate_prompt_tokens": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "logits_processors": None, "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "chat_template": None, "chat_template_kwargs": None,
+}
+# Chat-only fields sent to /v1/completions, and message fields the chat template has no place for.
+NOT_FOR_COMPLETIONS = {"max_completion_tokens": None, "top_logprobs": None, "messages": None}
+MESSAGE_UNSUPPORTED = {"name": None, "tool_calls": (None, []), "tool_call_id": None, "function_call": None,
+                       "audio": None}
 
 
-def refuse_unsupported(extra: dict) -> None:
-    for name, unused in UNSUPPORTED.items():
-        if name in extra and extra[name] not in (unused if isinstance(unused, tuple) else (unused,)):
-            raise APIError(400, f"{name} is not supported by this server", param=name)
+def check_fields(req: SamplingFields) -> None:
+    """Refuse what the request asks for that this server would otherwise ignore."""
+    refuse_unsupported(req.model_extra or {})
+    if isinstance(req, CompletionRequest):
+        refuse_unsupported(req.model_extra or {}, NOT_FOR_COMPLETIONS)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _unused(value, unused) -> bool:
+    # type-exact: true == 1 and false == 0 in Python, but best_of=true is not best_of=1
+    return any(type(value) is type(u) and value == u for u in (unused if isinstance(unused, tuple) else (unused,)))
+
+
+def refuse_unsupported(extra: dict, unsupported: dict = UNSUPPORTED, where: str = "") -> None:
+    for name, unused in unsupported.items():
+        if name in extra and not _unused(extra[name], unused):
+            raise APIError(400, f"{where}{name} is not supported by this server", param=where.split("[")[0] or name)
 
 
 class SamplingFields(_Strict):
@@ -80,8 +126,12 @@ class SamplingFields(_Strict):
     # Adjustments to the logits (null means off); SamplingParams checks what JSON cannot.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)   # vLLM extension; 1 = off
+    repetition_penalty: float | None = Field(None, ge=0.01, le=2.0)  # vLLM extension; 1 = off
     logit_bias: dict[str, float] | None = None   # JSON keys are strings: token id -> -100..100
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """The requested number of new tokens, and the field that asked for it."""
+        return self.max_tokens, "max_tokens"
 
 
 class ChatRequest(SamplingFields):
@@ -90,9 +140,18 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None              # the chosen tokens' log-probabilities ...
     top_logprobs: int | None = Field(None, ge=0, le=20)   # ... and this many alternatives each
 
+    def token_limit(self) -> tuple[int | None, str]:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                                f"({self.max_completion_tokens}) disagree; send one of them",
+                           param="max_completion_tokens")
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]   # a list is answered as one batch
     logprobs: int | None = Field(None, ge=0, le=20)   # legacy form: the number of alternatives
 # --8<-- [end:request-models]
 
@@ -156,10 +215,13 @@ def sampling_params(req: SamplingFields) -> SamplingParams:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
-    try:
-        bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+    # Plain decimal token ids only: Python's int() would also read " 1", "+1", "1_0" and "١٢",
+    # and "1" and "01" would name the same token twice.
+    keys = list(req.logit_bias or {})
+    if not all(k.isascii() and k.isdigit() and (k == "0" or k[0] != "0") for k in keys):
+        raise APIError(400, "logit_bias keys must be token ids written as plain decimal integers",
+                       param="logit_bias")
+    bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
     off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -233,6 +295,7 @@ def chat_messages(messages: list) -> list[dict]:
     """OpenAI's message forms as the chat template expects them: text parts joined, developer as system."""
     out = []
     for i, m in enumerate(messages):
+        refuse_unsupported(m.model_extra or {}, MESSAGE_UNSUPPORTED, where=f"messages[{i}].")
         content = m.content
         if not isinstance(content, str):
             refused = [p.type for p in content if p.type != "text" or p.text is None]

@@ -123,21 +123,24 @@ class AdmissionQueue:
     """asyncio.Lock (FIFO) that counts who waits and who runs, and refuses past max_waiting.
 
     An engine that batches live requests itself (Chapter 9's `submit`) gets no lock: every
-    request goes straight to its scheduler, which is where requests wait, so `engine_waiting`
-    (the scheduler's queue length) is what max_waiting bounds.
+    request goes straight to its scheduler, which is where requests wait. What max_waiting
+    bounds is then `engine_waiting` (the scheduler's queue length) plus the requests admitted
+    here but not yet handed over (still being tokenised), so that a burst, or a list of
+    prompts, cannot all pass the check before the first of them reaches the scheduler.
     """
 
     def __init__(self, max_waiting: int | None, on_queued, engine_waiting: Callable[[], int] | None = None):
         self._lock = None if engine_waiting else asyncio.Lock()
         self.max_waiting, self.on_queued, self.engine_waiting = max_waiting, on_queued, engine_waiting
-        self.waiting = self.running = 0
+        self.waiting = self.running = self.handing_over = 0
 
     async def acquire(self) -> None:
         if self._lock is None:
-            waiting = self.engine_waiting()
+            waiting = self.engine_waiting() + self.handing_over
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise Overloaded(f"the server is overloaded: {waiting} requests are already waiting")
             self.running += 1
+            self.handing_over += 1
             return
         if self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
             raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
@@ -149,6 +152,10 @@ class AdmissionQueue:
             self.waiting -= 1
         self.running += 1
         self.on_queued(time.monotonic() - t0)
+
+    def handed_over(self) -> None:
+        """The admitted request is in the engine's queue now (or was refused): counted there."""
+        self.handing_over -= 1
 
     def release(self) -> None:
         self.running -= 1

@@ -18,6 +18,9 @@ def test_defaults_are_greedy():
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 1e-300}, "temperature"),       # logits / 1e-300 overflow float32: NaN probabilities
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ({"repetition_penalty": 0.009}, "repetition_penalty"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),
     ({"top_p": -0.5}, "top_p"),
@@ -40,6 +43,7 @@ def test_invalid_values_name_the_field(kwargs, field):
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1)
     SamplingParams(top_p=1e-6)
+    SamplingParams(temperature=contracts.MIN_TEMPERATURE, repetition_penalty=contracts.REPETITION_RANGE[0])
     SamplingParams(seed=2**64 - 1, stop=("x" * contracts.MAX_STOP_CHARS,) * contracts.MAX_STOP_STRINGS)
 
 

@@ -63,6 +63,16 @@ def test_generate_batch_equals_mapping_generate(tiny_engine, reference_prompts):
     assert tiny_engine.generate_batch([], 8) == []
 
 
+def test_generate_batch_refuses_a_bad_prompt_before_any_work(tiny_engine, monkeypatch):
+    generated = []
+    monkeypatch.setattr(tiny_engine, "generate", lambda p, *a, **k: generated.append(p))
+    with pytest.raises(ValueError, match="maximum context length"):
+        tiny_engine.generate_batch(["Hello", "Hi", "word " * 600], 8)
+    assert generated == []
+    with pytest.raises(ValueError, match="list of strings"):
+        tiny_engine.generate_batch("Hello", 8)
+
+
 def test_max_tokens_caps_the_budget(tiny_engine):
     result = tiny_engine.generate("Hello", 20, SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(result.output_ids) == 3 and result.finish_reason == "length"
@@ -126,6 +136,7 @@ def test_incremental_detokenizer_holds_back_partial_stop_strings(tiny_engine):
     ("Hello", -5, "max_new_tokens"),
     ("Hello", 10_000, "maximum context length"),
     ("word " * 600, 10, "maximum context length"),
+    ("a\ud800b", 10, "lone surrogate"),
 ])
 def test_bad_requests_raise_value_error(tiny_engine, prompt, max_new_tokens, match):
     with pytest.raises(ValueError, match=match):

@@ -6,7 +6,8 @@ import torch
 from conftest import load_script
 
 sampling = load_script("02_sampling")
-SamplingParams = load_script("03_contracts").SamplingParams
+contracts = load_script("03_contracts")
+SamplingParams = contracts.SamplingParams
 
 
 @pytest.fixture
@@ -48,6 +49,16 @@ def test_top_p_always_keeps_the_top_token():
     peaked = torch.tensor([10.0, 0.0, 0.0, 0.0])
     assert torch.isfinite(sampling.top_p_filter(peaked, 0.01)).tolist() == [True, False, False, False]
     assert torch.equal(sampling.top_p_filter(peaked, 1.0), peaked)
+    # A p below float32's range (rounded to 0 against float32 probabilities) keeps it too.
+    flat = torch.zeros(4)
+    assert torch.isfinite(sampling.top_p_filter(flat, 1e-300)).sum() == 1
+
+
+def test_the_smallest_settings_still_sample_a_token(logits):
+    """At the edges of SamplingParams' ranges the probabilities stay finite: a token comes out."""
+    edges = [SamplingParams(temperature=contracts.MIN_TEMPERATURE), SamplingParams(temperature=1.0, top_p=1e-300)]
+    for params in edges:
+        assert sampling.sample_next_token(logits, params, sampling.make_generator(0)) == int(logits.argmax())
 
 
 def test_top_p_works_row_wise_on_a_batch(logits):

@@ -128,6 +128,30 @@ def test_completions_single_list_and_stream(client, tiny_engine):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == body["choices"][0]["text"]
 
 
+class CheckingEngine(RecordingEngine):
+    """A RecordingEngine with Chapter 1's checks (encode), which the server runs on a whole list first."""
+
+    def encode(self, prompt, max_new_tokens):
+        return self.inner.encode(prompt, max_new_tokens)
+
+
+def test_a_list_is_refused_whole_before_any_prompt_runs(tiny_engine):
+    engine = CheckingEngine(tiny_engine)
+    with TestClient(server.make_app(engine)) as c:
+        resp = c.post("/v1/completions", json={"prompt": ["Hi", "Hello", "word " * 600], "max_tokens": 4})
+    assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
+    assert engine.prompts == []
+
+
+def test_each_prompt_of_a_list_gets_its_own_default_budget(client, tiny_engine):
+    """Without max_tokens a prompt gets what is left of the context, at most 128, whatever its neighbours."""
+    long = "word " * 450
+    left = tiny_engine.context_length - len(tiny_engine.tokenizer(long).input_ids)
+    assert left < 128
+    body = client.post("/v1/completions", json={"prompt": ["Hi", long], "ignore_eos": True}).json()
+    assert [m["output_tokens"] for m in body["metrics"]] == [128, left]
+
+
 def test_engine_without_generate_stream_streams_one_chunk(tiny_engine):
     with TestClient(server.make_app(RecordingEngine(tiny_engine))) as c:
         plain = c.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8}).json()
@@ -162,7 +186,29 @@ BAD_REQUESTS = [
     ("top_p NaN", "/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p"),
     ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
     ("five stop strings", "/v1/completions", {"prompt": "hi", "stop": list("abcde")}, "stop"),
-    ("a 10,000-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 10_000}, None),
+    ("a 10,000-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 10_000}, "stop"),
+    ("temperature 1e-300", "/v1/completions", {"prompt": "hi", "temperature": 1e-300}, "temperature"),
+    ("repetition_penalty 1e-300", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-300},
+     "repetition_penalty"),
+    ("a lone surrogate in content", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+    ("a lone surrogate in a prompt", "/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt"),
+    ("a lone surrogate as the model", "/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', "model"),
+    ("a message's name", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages"),
+    ("vLLM's min_tokens", "/v1/completions", {"prompt": "hi", "min_tokens": 5}, "min_tokens"),
+    ("vLLM's stop_token_ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": [2]}, "stop_token_ids"),
+    ("add_generation_prompt false", "/v1/chat/completions", {"messages": HELLO, "add_generation_prompt": False},
+     "add_generation_prompt"),
+    ("best_of true", "/v1/completions", {"prompt": "hi", "best_of": True}, "best_of"),
+    ("max_completion_tokens on completions", "/v1/completions", {"prompt": "hi", "max_completion_tokens": 1},
+     "max_completion_tokens"),
+    ("top_logprobs on completions", "/v1/completions", {"prompt": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ("max_tokens and max_completion_tokens disagree", "/v1/chat/completions",
+     {"messages": HELLO, "max_tokens": 2, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ("max_completion_tokens above context", "/v1/chat/completions",
+     {"messages": HELLO, "max_completion_tokens": 100_000}, "max_completion_tokens"),
+    ("65 prompts", "/v1/completions", {"prompt": ["hi"] * 65}, "prompt"),
     ("tools", "/v1/chat/completions", {"messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
     ("response_format", "/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "json_object"}},
      "response_format"),
@@ -172,6 +218,8 @@ BAD_REQUESTS = [
     ("repetition_penalty 0", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("logit_bias 101", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 101}}, "logit_bias"),
     ("logit_bias key not an id", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    *[(f"logit_bias key {key!r}", "/v1/completions", {"prompt": "hi", "logit_bias": {key: 1}}, "logit_bias")
+      for key in (" 1", "+1", "1_0", "01", "\u0661\u0662")],
     ("logit_bias beyond the vocabulary", "/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, None),
     ("logit_bias of 301 tokens", "/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}},
      "logit_bias"),

@@ -178,6 +178,29 @@ def test_max_waiting_bounds_the_schedulers_queue(tiny_model_dir):
     engine.close()
 
 
+def test_a_list_counts_against_max_waiting_and_leaves_nothing_behind(tiny_model_dir):
+    """A list's prompts are admitted one by one: each counts as waiting until the scheduler has it."""
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                                         max_num_seqs=1, max_num_batched_tokens=64)
+    with TestClient(server.make_app(engine, ops=server_ops.ServerOps(max_waiting=1))) as client:
+        refused = client.post("/v1/completions", json={"prompt": ["Hi", "Hello", "Hey"], "max_tokens": 2})
+        assert refused.status_code == 503
+        wait_until_idle(engine)
+        ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    wait_until_idle(engine)
+    engine.close()
+
+
+def test_each_prompt_of_a_list_gets_its_own_default_budget(cb_engine):
+    long = "word " * 450
+    left = cb_engine.context_length - len(cb_engine.tokenizer(long).input_ids)
+    with TestClient(server.make_app(cb_engine)) as client:
+        body = client.post("/v1/completions", json={"prompt": ["Hi", long], "ignore_eos": True}).json()
+    assert [m["output_tokens"] for m in body["metrics"]] == [128, left]
+    wait_until_idle(cb_engine)
+
+
 def test_engine_flags_reach_the_engine_and_are_refused_by_others(tiny_model_dir):
     args = server.argparse.Namespace(kv_memory="2MB", max_num_seqs=4, max_num_batched_tokens=None,
                                      prefix_caching=True)
