@@ -75,8 +75,13 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
 
     async def call_engine(fn: Callable, *args):
         async with lock:
+            call = asyncio.ensure_future(run_in_threadpool(fn, *args))
             try:
-                return await run_in_threadpool(fn, *args)
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:   # a hang-up or a timeout: the thread cannot be stopped,
+                with anyio.CancelScope(shield=True):   # so the lock stays held until the engine is free
+                    await asyncio.wait({call})
+                raise
             except Exception as exc:
                 raise from_engine_error(exc) from exc
     # --8<-- [end:queue-lock]
@@ -244,11 +249,11 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
                 await run_in_threadpool(check_all, prompts, budgets, params)
             except Exception as exc:
                 raise from_engine_error(exc) from exc
-        if len(prompts) == 1 or batching:   # cancellable on a hang-up; a batching engine runs them together
-            results = await until_disconnected(
-                request, all_or_nothing(generate_one(p, b, params) for p, b in zip(prompts, budgets)))
-        else:                   # a lock-holding engine's own generate_batch, run to its end
-            results = await call_engine(generate_batches, prompts, budgets, params)
+        if len(prompts) == 1 or batching:   # a batching engine runs them together
+            work = all_or_nothing(generate_one(p, b, params) for p, b in zip(prompts, budgets))
+        else:
+            work = generate_list(prompts, budgets, params)
+        results = await until_disconnected(request, work)   # a hang-up stops the work
         metrics = [r.metrics.as_dict() for r in results]
         return {
             "id": rid, "object": "text_completion", "created": created, "model": model_name,
@@ -268,13 +273,22 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
             for prompt, budget in zip(prompts, budgets):
                 engine.encode(prompt, params.token_budget(budget))
 
-    def generate_batches(prompts: list[str], budgets: list[int], params: SamplingParams) -> list:
-        """The engine's own generate_batch, once per distinct budget (each prompt keeps its own)."""
+    async def generate_list(prompts: list[str], budgets: list[int], params: SamplingParams) -> list:
+        """A list for a lock-holding engine. One with batches of its own (Chapter 5's max_batch_size)
+        runs generate_batch a batch at a time, each of prompts with the same budget: a hang-up or a
+        timeout stops the list at the end of the running batch. One without streams each prompt in
+        turn, and stops at the next token."""
+        size = getattr(engine, "max_batch_size", None)
+        if not size:
+            return [await generate_one(p, b, params) for p, b in zip(prompts, budgets)]
         results = [None] * len(prompts)
         for budget in sorted(set(budgets)):
             rows = [i for i, b in enumerate(budgets) if b == budget]
-            for i, result in zip(rows, engine.generate_batch([prompts[i] for i in rows], budget, params)):
-                results[i] = result
+            for start in range(0, len(rows), size):
+                chunk = rows[start: start + size]
+                batch = await call_engine(engine.generate_batch, [prompts[i] for i in chunk], budget, params)
+                for i, result in zip(chunk, batch):
+                    results[i] = result
         return results
 
     # --8<-- [start:small-endpoints]

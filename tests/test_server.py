@@ -403,6 +403,35 @@ def test_a_client_that_hangs_up_closes_the_engine_iterator_and_frees_the_queue(t
     asyncio.run(scenario())
 
 
+class SlowBatchEngine(RecordingEngine):
+    """Batches of two that take a while each: what a hang-up must stop is the batches not yet begun."""
+    max_batch_size = 2
+
+    def generate_batch(self, prompts, max_new_tokens, params=None):
+        time.sleep(0.3)
+        return super().generate_batch(prompts, max_new_tokens, params)
+
+
+@pytest.mark.parametrize("engine_class", [SlowBatchEngine, EndlessEngine])
+def test_a_client_that_hangs_up_stops_its_list(tiny_engine, engine_class):
+    """A list on a lock-holding engine: batch by batch (stopped after the running one), or prompt by
+    prompt through the stream (stopped at the next token). Either way the queue is free afterwards."""
+    engine = engine_class(tiny_engine)
+    app = server.make_app(engine)
+
+    async def scenario():
+        body = {"prompt": [f"p{i}" for i in range(8)], "max_tokens": 10}
+        await asgi_request(app, body, hang_up_after=None, hang_up_after_s=0.1)
+        if engine_class is EndlessEngine:
+            assert engine.closed.is_set()
+        else:
+            assert engine.prompts == ["p0", "p1"]   # the first batch ran; the other three never began
+        sent = await asgi_request(app, {"prompt": "Hi", "max_tokens": 2}, hang_up_after=None)
+        assert sent[0]["status"] == 200
+
+    asyncio.run(scenario())
+
+
 def test_importing_does_not_load_a_model():
     assert "app" not in vars(server)   # built lazily by the module's __getattr__
     with pytest.raises(AttributeError):
