@@ -55,7 +55,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        self._check_types()
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             object.__setattr__(self, "logit_bias", tuple(sorted((k, float(v)) for k, v in bias)))
@@ -83,6 +86,28 @@ class SamplingParams:
             raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters each, "
                              f"got one of {max(len(s) for s in self.stop)}")
         self._check_adjustments()
+
+    def _check_types(self) -> None:
+        # True is an int in Python, and "0.5" would fail later, deep in torch, with a TypeError.
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if (value is not None or name == "top_k") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @classmethod
+    def or_default(cls, params: SamplingParams | None) -> SamplingParams:
+        """What an engine was given as params: None means the defaults (greedy); anything else is an error."""
+        if params is None:
+            return cls()
+        if not isinstance(params, cls):
+            raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+        return params
 
     def _check_adjustments(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -125,6 +150,8 @@ class SamplingParams:
 
     def token_budget(self, max_new_tokens: int) -> int:
         """The number of new tokens a request may produce: max_new_tokens, capped by max_tokens."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         return min(max_new_tokens, self.max_tokens or max_new_tokens)

@@ -222,8 +222,8 @@ class BaselineEngine(BaseOfflineEngine):
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:   # "\ud800": half of a UTF-16 pair, which no tokenizer reads
             raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {exc.start}") from None
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         input_ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         n_prompt = input_ids.shape[1]
         if n_prompt + max_new_tokens > self.context_length:
@@ -298,7 +298,7 @@ class BaselineEngine(BaseOfflineEngine):
     # --8<-- [start:generate]
     def generate(self, prompt: str, max_new_tokens: int,
                  params: SamplingParams | None = None) -> GenerateResult:
-        params = params or SamplingParams()          # no params: greedy
+        params = SamplingParams.or_default(params)   # no params: greedy
         max_new_tokens = params.token_budget(max_new_tokens)
         input_ids = self.encode(prompt, max_new_tokens)
         if params.seed is not None:
@@ -331,7 +331,7 @@ class BaselineEngine(BaseOfflineEngine):
         # One after another: correct, but the hardware idles. Chapter 5 batches them.
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings")
-        budget = (params or SamplingParams()).token_budget(max_new_tokens)
+        budget = SamplingParams.or_default(params).token_budget(max_new_tokens)
         for p in prompts:          # refuse bad input before any work: all of the list or none
             self.encode(p, budget)
         return [self.generate(p, max_new_tokens, params) for p in prompts]
@@ -345,7 +345,7 @@ class BaselineEngine(BaseOfflineEngine):
         generate() runs in a worker thread and hands us tokens through a streamer.
         Closing this iterator early (a client hung up) stops that thread too.
         """
-        params = params or SamplingParams()
+        params = SamplingParams.or_default(params)
         max_new_tokens = params.token_budget(max_new_tokens)
         input_ids = self.encode(prompt, max_new_tokens)
         if params.seed is not None:

@@ -189,7 +189,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
         and closing this iterator early stops the work at the next token.
         """
         t0 = time.perf_counter()
-        params = params or SamplingParams()
+        params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         input_ids = self.encode(prompt, budget)
         seq = self.new_sequence(params, budget, input_ids.shape[1], input_ids[0].tolist())

@@ -71,7 +71,7 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings")
         t0 = time.perf_counter()           # every request was submitted now: TTFT counts from here
-        params = params or SamplingParams()
+        params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         encoded = [self.encode(p, budget) for p in prompts]   # refuse bad input before any work
         results = []

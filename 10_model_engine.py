@@ -106,7 +106,7 @@ class ModelEngine(decode_loop.DecodeLoopEngine):
     def generate_stream(self, prompt: str, max_new_tokens: int,
                         params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
         t0 = time.perf_counter()
-        params = params or SamplingParams()
+        params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         ids = self._encode_ids(prompt, budget)
         seq = self.new_sequence(params, budget, len(ids), ids)
@@ -124,7 +124,7 @@ class ModelEngine(decode_loop.DecodeLoopEngine):
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings")
         t0 = time.perf_counter()           # every request was submitted now: TTFT counts from here
-        params = params or SamplingParams()
+        params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         encoded = [self._encode_ids(p, budget) for p in prompts]   # refuse bad input before any work
         results = []

@@ -59,7 +59,7 @@ class ContinuousBatchingEngine(paged.PagedEngine):
 
     def new_request(self, prompt: str, max_new_tokens: int, params: SamplingParams | None) -> Request:
         """Validate and tokenize now, in the caller's thread: a bad request never enters the scheduler."""
-        params = params or SamplingParams()
+        params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         ids = self._encode_ids(prompt, budget)
         return Request(next(self._ids), ids, self.new_sequence(params, budget, len(ids), ids))

@@ -39,7 +39,7 @@ class LlamaCppEngine(engine04.BaseOfflineEngine):
         self.file_bytes = Path(gguf).stat().st_size
 
     def generate(self, prompt: str, max_new_tokens: int, params=None) -> contracts.GenerateResult:
-        params = params or contracts.SamplingParams()
+        params = contracts.SamplingParams.or_default(params)
         if dataclasses.replace(params, ignore_eos=False, max_tokens=None) != contracts.SamplingParams():
             raise ValueError("LlamaCppEngine is a speed anchor: plain greedy decoding only "
                              "(ignore_eos and max_tokens are honoured, nothing else)")

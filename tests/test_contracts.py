@@ -18,7 +18,19 @@ def test_defaults_are_greedy():
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.1}, "temperature"),
-    ({"temperature": 1e-300}, "temperature"),       # logits / 1e-300 overflow float32: NaN probabilities
+    ({"temperature": 1e-300}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"top_p": None}, "top_p"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"seed": 1.5}, "seed"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": float("nan")}, "max_tokens"),
+    ({"logprobs": True}, "logprobs"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"stop": {"a": 1}}, "stop"),
+    ({"stop": None}, "stop"),       # logits / 1e-300 overflow float32: NaN probabilities
     ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"repetition_penalty": 0.009}, "repetition_penalty"),
     ({"top_p": 0.0}, "top_p"),

@@ -137,6 +137,10 @@ def test_incremental_detokenizer_holds_back_partial_stop_strings(tiny_engine):
     ("Hello", 10_000, "maximum context length"),
     ("word " * 600, 10, "maximum context length"),
     ("a\ud800b", 10, "lone surrogate"),
+    ("Hello", float("nan"), "max_new_tokens"),     # NaN fails every comparison: it would never stop
+    ("Hello", 1.5, "max_new_tokens"),
+    ("Hello", True, "max_new_tokens"),
+    ("Hello", None, "max_new_tokens"),
 ])
 def test_bad_requests_raise_value_error(tiny_engine, prompt, max_new_tokens, match):
     with pytest.raises(ValueError, match=match):
@@ -220,3 +224,28 @@ def test_threads_flag_sets_torch_threads_and_refuses_zero(engine_mod):
             parser.parse_args(["--threads", "0"])
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("spec", ["04_engine:BaselineEngine", "07_decode_loop:DecodeLoopEngine",
+                                  "09_static_batching:StaticBatchEngine", "10_model:ModelEngine",
+                                  "11_paged_kv:PagedEngine", "13_continuous_batching:ContinuousBatchingEngine",
+                                  "16_quantization:Int8Engine"])
+def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_dir):
+    """The same refusals through every chapter's engine, single and batch: never a TypeError from
+    deep inside, never a silent default, never a request without an end (NaN fails every comparison)."""
+    engine = load_script("04_engine").load_engine(spec, str(tiny_model_dir), device="cpu")
+    SamplingParams = load_script("03_contracts").SamplingParams
+    try:
+        for max_new_tokens in (float("nan"), 1.5, 2.0, None, True):
+            with pytest.raises(ValueError, match="max_new_tokens"):
+                engine.generate("Hello", max_new_tokens)
+            with pytest.raises(ValueError, match="max_new_tokens"):
+                engine.generate_batch(["Hello", "Hi"], max_new_tokens)
+        for params in ({"temperature": 0.5}, "greedy", 0, SamplingParams):
+            with pytest.raises(ValueError, match="params"):
+                engine.generate("Hello", 2, params)
+            with pytest.raises(ValueError, match="params"):
+                engine.generate_batch(["Hello"], 2, params)
+        assert engine.generate("Hello", 2, None).output_ids == engine.generate("Hello", 2, SamplingParams()).output_ids
+    finally:
+        getattr(engine, "close", lambda: None)()
