@@ -14,22 +14,21 @@ import argparse
 import importlib
 import inspect
 import json
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
-from transformers.generation.streamers import BaseStreamer
 
 setup = importlib.import_module("01_setup")
 sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
 cpu_threads = importlib.import_module("cpu_threads")
+hf_hooks = importlib.import_module("hf_hooks")   # how HF's generate honours SamplingParams
 SamplingParams = contracts.SamplingParams
 GenerateResult = contracts.GenerateResult
 RequestMetrics = contracts.RequestMetrics
@@ -107,87 +106,6 @@ def attach_logprobs(piece: str, logprobs: list | None, sent: int) -> tuple[str, 
     return contracts.TextPiece(piece, logprobs[sent:]), len(logprobs)
 
 
-# --8<-- [start:hf-processors]
-class _RawLogprobs(LogitsProcessor):
-    """First in HF's list, so it sees each step's logits before anything changes them."""
-
-    def __init__(self, k: int):
-        self.k, self.rows = k, []
-
-    def __call__(self, input_ids, scores):
-        self.rows.append(scores[:1].clone())   # one request: row 0; kept until its token is known
-        return scores
-
-    def entry(self, token_id: int) -> contracts.TokenLogprob:
-        return sampling.token_logprobs(self.rows.pop(0), [token_id], [self.k])[0]
-
-
-class _OutputPenalties(LogitsProcessor):
-    """OpenAI's presence and frequency penalties, which HF does not have: Chapter 1's function."""
-
-    def __init__(self, params: SamplingParams, n_prompt: int):
-        self.params, self.n_prompt = params, n_prompt
-
-    def __call__(self, input_ids, scores):
-        counts = torch.stack([torch.bincount(row[self.n_prompt:], minlength=scores.shape[-1]).float()
-                              for row in input_ids])
-        p = self.params
-        return sampling.apply_presence_frequency(scores, counts, p.presence_penalty, p.frequency_penalty)
-# --8<-- [end:hf-processors]
-
-
-class _TokenQueueStreamer(BaseStreamer):
-    """Hands each new token id from HF's generate thread to the consumer through a queue.
-
-    With a _RawLogprobs recorder it also pairs each token with its log-probability
-    (the i-th entry is ready before the i-th token is queued).
-    """
-
-    def __init__(self, recorder: _RawLogprobs | None = None):
-        self.tokens: queue.Queue = queue.Queue()
-        self.recorder, self.logprobs = recorder, ([] if recorder else None)
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:  # generate() first reports the prompt itself
-            self._prompt_seen = True
-            return
-        for token_id in value.reshape(-1).tolist():
-            if self.recorder:
-                self.logprobs.append(self.recorder.entry(token_id))
-            self.tokens.put(token_id)
-
-    def end(self) -> None:
-        self.tokens.put(None)
-
-
-class _CancelCriteria(StoppingCriteria):
-    """Lets another thread stop HF's loop, e.g. when a streaming client has gone away."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool,
-                          device=input_ids.device)
-
-
-class _StopTextCriteria(StoppingCriteria):
-    """Ends HF's loop once our detokenizer has seen a stop string (one request, batch of one).
-
-    HF's own stop_strings builds and caches tables that grow with each string; the
-    detokenizer the streaming path already uses costs nothing that outlives the request.
-    """
-
-    def __init__(self, detok: IncrementalDetokenizer, n_prompt: int):
-        self.detok, self.n_prompt = detok, n_prompt
-
-    def __call__(self, input_ids, scores, **kwargs):
-        for token_id in input_ids[0, self.n_prompt + len(self.detok.ids):].tolist():
-            self.detok.add(token_id)
-        return torch.full((input_ids.shape[0],), self.detok.stopped, dtype=torch.bool, device=input_ids.device)
-
-
 class BaselineEngine(BaseOfflineEngine):
     """Chapter 1: HuggingFace's generate() behind our interface. A black box, but correct."""
 
@@ -252,7 +170,7 @@ class BaselineEngine(BaseOfflineEngine):
         return config
 
     def _logits_processors(self, params: SamplingParams, n_prompt: int,
-                           recorder: _RawLogprobs | None = None) -> LogitsProcessorList:
+                           recorder: hf_hooks.RawLogprobs | None = None) -> LogitsProcessorList:
         """Bias and penalties as HF processors, in HF's own order; generate adds temperature,
         top-k and top-p after them. HF does the bias and the repetition penalty itself."""
         params.check_vocab(self.vocab_size)
@@ -262,7 +180,7 @@ class BaselineEngine(BaseOfflineEngine):
         if params.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
         if params.presence_penalty or params.frequency_penalty:
-            processors.append(_OutputPenalties(params, n_prompt))
+            processors.append(hf_hooks.OutputPenalties(params, n_prompt))
         return LogitsProcessorList(processors)
     # --8<-- [end:generation-config]
 
@@ -306,8 +224,8 @@ class BaselineEngine(BaseOfflineEngine):
                                                      # request at a time keeps this reproducible
 
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        recorder = None if params.logprobs is None else _RawLogprobs(params.logprobs)
-        streamer = _TokenQueueStreamer(recorder) if recorder else None   # pairs tokens with logprobs
+        recorder = None if params.logprobs is None else hf_hooks.RawLogprobs(params.logprobs)
+        streamer = hf_hooks.TokenQueueStreamer(recorder) if recorder else None   # pairs tokens with logprobs
         t0 = time.perf_counter()
         with torch.no_grad():                        # generate() is no_grad already; our own loops need it
             # Chapter 2 replaces this call with our own token-by-token loop.
@@ -317,7 +235,7 @@ class BaselineEngine(BaseOfflineEngine):
                 generation_config=self._generation_config(params, max_new_tokens),
                 logits_processor=self._logits_processors(params, input_ids.shape[1], recorder),
                 stopping_criteria=StoppingCriteriaList(
-                    [_StopTextCriteria(detok, input_ids.shape[1])] if params.stop else []),
+                    [hf_hooks.StopTextCriteria(detok, input_ids.shape[1])] if params.stop else []),
                 streamer=streamer,
             )
         elapsed_s = time.perf_counter() - t0
@@ -350,9 +268,9 @@ class BaselineEngine(BaseOfflineEngine):
         input_ids = self.encode(prompt, max_new_tokens)
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        recorder = None if params.logprobs is None else _RawLogprobs(params.logprobs)
+        recorder = None if params.logprobs is None else hf_hooks.RawLogprobs(params.logprobs)
         processors = self._logits_processors(params, input_ids.shape[1], recorder)
-        streamer, cancel, failure = _TokenQueueStreamer(recorder), threading.Event(), []
+        streamer, cancel, failure = hf_hooks.TokenQueueStreamer(recorder), threading.Event(), []
 
         def run() -> None:
             try:
@@ -361,7 +279,7 @@ class BaselineEngine(BaseOfflineEngine):
                         input_ids, attention_mask=torch.ones_like(input_ids),
                         generation_config=self._generation_config(params, max_new_tokens),
                         logits_processor=processors, streamer=streamer,
-                        stopping_criteria=StoppingCriteriaList([_CancelCriteria(cancel)]))
+                        stopping_criteria=StoppingCriteriaList([hf_hooks.CancelCriteria(cancel)]))
             except Exception as exc:  # handed to the consumer: a failure must not look like a short answer
                 failure.append(exc)
             finally:
