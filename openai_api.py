@@ -175,8 +175,10 @@ def from_engine_error(exc: Exception) -> APIError:
     """The engine refused the request (ValueError: e.g. prompt too long) or broke (anything else)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+    if isinstance(exc, ValueError):   # the library's messages start with the field they refuse
+        field = (str(exc).split(maxsplit=1) or [""])[0]
+        known = field in ChatRequest.model_fields or field in CompletionRequest.model_fields
+        return APIError(400, str(exc), param=field if known else None)
     log.error("engine failed", exc_info=exc)
     return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type_="server_error")
 
