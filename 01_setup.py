@@ -140,6 +140,8 @@ def resolve_model(name: str | None = None) -> str:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default path never contacts a hub
         return str(provision_default_model())
     if Path(name).expanduser().is_dir():
+        if not (Path(name).expanduser() / "config.json").is_file():
+            raise ValueError(f"{name!r} is a folder but not a model: it has no config.json")
         return str(Path(name).expanduser())
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         raise ValueError(f"model folder {name!r} does not exist (and it is not an HF id like 'org/name')")
@@ -153,7 +155,12 @@ def pick_device(requested: str | None = None):
     import torch
 
     if requested:
-        device = torch.device(requested)
+        try:
+            device = torch.device(requested)
+        except RuntimeError:
+            raise ValueError(f"unknown device {requested!r}: use cpu, cuda, cuda:N or mps") from None
+        if device.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"device {requested!r} is not one this book runs on: use cpu, cuda, cuda:N or mps")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but torch.cuda.is_available() is False")
         if device.type == "mps" and not torch.backends.mps.is_available():
@@ -174,13 +181,13 @@ def load_model(name: str | None = None, device=None, dtype=None):
     path = resolve_model(name)
     local = Path(path).is_dir()  # a folder on disk: never ask a hub about it
     device = device if device is not None else pick_device()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-    model = (
-        AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=local)
-        .to(device)
-        .eval()  # from_pretrained already returns eval mode (dropout off); stated so no loader forgets
-    )
-    return tokenizer, model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=local)
+    except OSError as exc:   # a hub id that cannot be fetched, a folder without weights: say which
+        raise ValueError(f"cannot load the model {name or path!r}: {str(exc).splitlines()[0]}") from None
+    # from_pretrained already returns eval mode (dropout off); stated so no loader forgets
+    return tokenizer, model.to(device).eval()
 # --8<-- [end:load]
 
 

@@ -34,6 +34,7 @@ import importlib
 
 import torch
 
+cli_args = importlib.import_module("cli_args")   # flags checked as they are parsed
 setup = importlib.import_module("01_setup")
 contracts = importlib.import_module("03_contracts")
 
@@ -212,10 +213,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Sampling made visible on the model's next-token logits.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default="My favourite hobby is")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli_args.integer(*contracts.SEED_RANGE), default=0)
     args = parser.parse_args()
-
-    tokenizer, model = setup.load_model(args.model, device=torch.device("cpu"))
+    if not args.prompt:
+        parser.error("--prompt must not be empty")
+    try:
+        tokenizer, model = setup.load_model(args.model, device=torch.device("cpu"))
+    except ValueError as exc:
+        parser.error(str(exc))
     logits = next_token_logits(tokenizer, model, args.prompt)
     print(f"[Prompt]\n  {args.prompt!r}")
 

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -112,7 +113,7 @@ class BaselineEngine(BaseOfflineEngine):
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32):
-        self.model_name = model_name or setup.DEFAULT_MODEL
+        self.model_name = model_name or os.environ.get(setup.MODEL_ENV_VAR) or setup.DEFAULT_MODEL
         self.device = setup.pick_device(device)
         print(f"[engine] loading {self.model_name} on {self.device} ...", flush=True)
         self.tokenizer, self.model = setup.load_model(model_name, self.device, dtype)
@@ -322,18 +323,19 @@ def load_engine(spec: str = "04_engine:BaselineEngine", model: str | None = None
     This is how the server and the benchmarks stay unchanged as chapters add engines.
     """
     module_name, _, class_name = spec.partition(":")
-    if not class_name:
+    if not class_name or not module_name or module_name.startswith("."):
         raise ValueError(f"engine spec must look like 'module:Class', got {spec!r}")
     try:
         engine_class = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load engine {spec!r}: {exc}") from exc
-    if not (isinstance(engine_class, type) and issubclass(engine_class, BaseOfflineEngine)):
-        raise ValueError(f"{spec!r} is not a BaseOfflineEngine subclass")
+    if not (isinstance(engine_class, type) and issubclass(engine_class, BaseOfflineEngine)) \
+            or inspect.isabstract(engine_class):
+        raise ValueError(f"{spec!r} is not an engine: a concrete BaseOfflineEngine subclass")
     try:
         inspect.signature(engine_class).bind(model, device=device, **kwargs)
     except TypeError as exc:   # e.g. --kv-memory for an engine without a KV pool
-        raise ValueError(f"{spec} does not take {', '.join(kwargs)}: {exc}") from None
+        raise ValueError(f"{spec} does not take {', '.join(kwargs) or 'Class(model, device=...)'}: {exc}") from None
     return engine_class(model, device=device, **kwargs)
 # --8<-- [end:load-engine]
 
@@ -359,8 +361,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class _TorchThreads(argparse.Action):
     def __call__(self, parser, namespace, value, option_string=None):
-        if value < 1:
-            parser.error(f"{option_string} must be >= 1")
+        if not 1 <= value <= 1024:
+            parser.error(f"{option_string} must be between 1 and 1024, got {value}")
         torch.set_num_threads(value)
         setattr(namespace, self.dest, value)
 

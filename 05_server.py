@@ -47,6 +47,7 @@ from openai_api import APIError, ChatRequest, CompletionRequest, SamplingParams,
 
 engine_lib = importlib.import_module("04_engine")
 server_ops = importlib.import_module("server_ops")  # keys, metrics, overload, shutdown, the page
+cli_args = importlib.import_module("cli_args")
 
 DEFAULT_ENGINE = "04_engine:BaselineEngine"
 DEFAULT_MAX_TOKENS = 128
@@ -329,7 +330,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve an engine over OpenAI's HTTP API.")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes it to the network")
-    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--port", type=cli_args.integer(1, 65535), default=8001)
     parser.add_argument("--model", default=os.environ.get("ENGINE_MODEL"),
                         help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
@@ -337,12 +338,15 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     batching = parser.add_argument_group("continuous batching (engines of Chapter 7 on; omitted: their defaults)")
     batching.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 512MB")
-    batching.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step, at most")
-    batching.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step, at most")
+    batching.add_argument("--max-num-seqs", type=cli_args.integer(1), default=None, help="sequences in one step, at most")
+    batching.add_argument("--max-num-batched-tokens", type=cli_args.integer(1), default=None,
+                          help="tokens in one step, at most")
     batching.add_argument("--prefix-caching", action="store_true", default=None,
                           help="reuse the KV blocks of prompt prefixes seen before (Chapter 8)")
     server_ops.add_arguments(parser)
     args = parser.parse_args()
+    if not args.host.strip():   # '' would listen on every interface, not on none
+        parser.error("--host must name an address: 127.0.0.1 (this machine only) or 0.0.0.0 (the network)")
 
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads

@@ -42,6 +42,7 @@ setup = importlib.import_module("01_setup")
 engine_mod = importlib.import_module("04_engine")
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
 paged_demo = importlib.import_module("11_paged_kv_demo")   # owns data/mixed_workload.json
+cli_args = importlib.import_module("cli_args")
 PROMPTS_PATH = setup.REPO_ROOT / "data" / "benchmark_prompts.json"
 
 
@@ -108,7 +109,13 @@ def bench_stats(name: str, records: list[RequestRecord], duration_s: float) -> B
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
     """The benchmark workload: dicts with either 'text' (sent as is) or 'messages' (a chat)."""
-    prompts = json.loads(Path(path or PROMPTS_PATH).read_text())["prompts"]
+    path = Path(path or PROMPTS_PATH)
+    try:
+        prompts = json.loads(path.read_text())["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:   # missing, a folder, not JSON, no "prompts"
+        raise ValueError(f"cannot read benchmark prompts from {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, dict) for p in prompts):
+        raise ValueError(f"{path} must hold a non-empty list of prompts under the key 'prompts'")
     if any(("text" in p) == ("messages" in p) for p in prompts):
         raise ValueError("each benchmark prompt needs exactly one of 'text' or 'messages'")
     return prompts[:limit] if limit else prompts
@@ -346,16 +353,16 @@ def common_args(parser: argparse.ArgumentParser) -> None:
                         help="prompts: the committed prompt set, one budget (--max-new-tokens); mixed: "
                         "data/mixed_workload.json's prompt lengths and per-request budgets")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="benchmark prompt file")
-    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts "
-                        "(mixed: N requests, default 32)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="budget of every request "
-                        "(default 32; the mixed workload brings its own)")
+    parser.add_argument("--num-prompts", type=cli_args.integer(1, 10_000), default=None,
+                        help="use only the first N prompts (mixed: N requests, default 32)")
+    parser.add_argument("--max-new-tokens", type=cli_args.integer(1, 100_000), default=None,
+                        help="budget of every request (default 32; the mixed workload brings its own)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the whole budget (equal work)")
-    parser.add_argument("--seed", type=int, default=0, help="which text each mixed prompt gets; online, "
-                        "also the arrival schedule")
-    parser.add_argument("--warmup", type=int, default=2, help="requests run first and discarded")
-    parser.add_argument("--json", default=None, help="write the full results here")
-    parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput here")
+    parser.add_argument("--seed", type=cli_args.integer(0, 2**32 - 1), default=0,
+                        help="which text each mixed prompt gets; online, also the arrival schedule")
+    parser.add_argument("--warmup", type=cli_args.integer(0, 1000), default=2, help="requests run first and discarded")
+    parser.add_argument("--json", type=cli_args.output_file(".json"), default=None, help="write the full results here")
+    parser.add_argument("--plot", type=cli_args.plot_file(), default=None, help="write a PNG of latency and throughput here")
 
 
 def check_common(parser: argparse.ArgumentParser, args) -> None:
@@ -364,6 +371,8 @@ def check_common(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--workload mixed gives every request its own budget: drop --max-new-tokens")
     if args.workload == "mixed" and args.prompts != str(PROMPTS_PATH):
         parser.error("--workload mixed builds its prompts from data/: drop --prompts")
+    if not args.prompts:
+        parser.error("--prompts needs a file name")
     if args.max_new_tokens is None and args.workload == "prompts":
         args.max_new_tokens = 32
     sizes = [v for v in (args.max_new_tokens, args.runs, args.num_prompts) if v is not None]   # 0 is no default
@@ -381,20 +390,39 @@ def save_outputs(args, config: dict, all_stats: list[BenchStats], all_records: l
         print(f"[saved] {args.plot}")
 
 
+def measure(engines: list, runners: list, items: list[list[WorkItem]], params, args) -> tuple[list, list]:
+    """Warm each engine up, then time args.runs passes: every engine's records and seconds."""
+    for engine, engine_items, (_, run) in zip(engines, items, runners):
+        warm = (engine_items * args.warmup)[: args.warmup]
+        if warm:
+            run(engine, warm, params, tqdm(disable=True))
+    # --8<-- [start:alternate]
+    records, seconds = [[] for _ in engines], [0.0 for _ in engines]
+    with tqdm(total=args.runs * sum(map(len, items)), desc="requests", file=sys.stderr, disable=None) as bar:
+        for _ in range(args.runs):
+            # Alternate engines within each repetition so machine noise hits all of them alike.
+            for i, (engine, (_, run)) in enumerate(zip(engines, runners)):
+                recs, secs = run(engine, items[i], params, bar)
+                records[i] += recs
+                seconds[i] += secs
+    # --8<-- [end:alternate]
+    return records, seconds
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Offline benchmark: time engine.generate in-process.")
     common_args(parser)
-    parser.add_argument("--runs", type=int, default=2, help="measured passes over the prompt set")
+    parser.add_argument("--runs", type=cli_args.integer(1, 1000), default=2, help="measured passes over the prompt set")
     parser.add_argument("--batch", nargs="*", metavar="ENGINE", default=None,
                         help="time generate_batch (static batches) instead of generate: for every engine, "
                         "or only those named (module:Class or Class). Engines with submit() always get "
                         "every request at once")
-    parser.add_argument("--batch-size", type=int, default=None, help="with --batch: chunks of this size")
+    parser.add_argument("--batch-size", type=cli_args.integer(1, 4096), default=None, help="with --batch: chunks of this size")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
     check_common(parser, args)
-    if args.batch_size is not None and args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
+    if args.batch_size is not None and args.batch is None:
+        parser.error("--batch-size only applies with --batch")
 
     specs = args.engine or ["04_engine:BaselineEngine"]
     labels = engine_labels(specs)
@@ -408,21 +436,11 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     runners = [runner_for(e, spec, label, args, len(its)) for e, spec, label, its in zip(engines, specs, labels, items)]
-    for engine, engine_items, (_, run) in zip(engines, items, runners):
-        warm = (engine_items * args.warmup)[: args.warmup]
-        if warm:
-            run(engine, warm, params, tqdm(disable=True))
+    try:   # a request the engine refuses (a prompt plus budget past the context) ends the run in one line
+        records, seconds = measure(engines, runners, items, params, args)
+    except ValueError as exc:
+        parser.error(f"an engine refused a request of this workload: {exc}")
 
-    # --8<-- [start:alternate]
-    records, seconds = [[] for _ in engines], [0.0 for _ in engines]
-    with tqdm(total=args.runs * sum(map(len, items)), desc="requests", file=sys.stderr, disable=None) as bar:
-        for _ in range(args.runs):
-            # Alternate engines within each repetition so machine noise hits all of them alike.
-            for i, (engine, (_, run)) in enumerate(zip(engines, runners)):
-                recs, secs = run(engine, items[i], params, bar)
-                records[i] += recs
-                seconds[i] += secs
-    # --8<-- [end:alternate]
 
     all_stats = [bench_stats(label, recs, secs) for label, recs, secs in zip(labels, records, seconds)]
     modes = [mode for mode, _ in runners]

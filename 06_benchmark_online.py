@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 offline = importlib.import_module("06_benchmark_offline")  # one definition of the statistics
 launcher = importlib.import_module("server_process")      # ... and of launching the server
+cli_args = importlib.import_module("cli_args")
 setup = offline.setup
 RequestRecord = offline.RequestRecord
 
@@ -217,24 +218,23 @@ def main(argv: list[str] | None = None) -> dict:
     offline.common_args(parser)
     parser.add_argument("--url", action="append", help="measure this running server instead of launching "
                         "05_server.py (repeat it to compare servers)")
-    parser.add_argument("--runs", type=int, default=2, help="passes over the prompt set (as offline)")
-    parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s "
-                        "(seeded by --seed)")
-    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput: first token within this")
-    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: and this per later token")
+    parser.add_argument("--runs", type=cli_args.integer(1, 1000), default=2, help="passes over the prompt set (as offline)")
+    parser.add_argument("--concurrency", type=cli_args.integer(1, 10_000), default=None,
+                        help="at most this many requests in flight")
+    parser.add_argument("--request-rate", type=cli_args.number(above=0), default=None,
+                        help="Poisson arrivals, requests/s (seeded by --seed)")
+    parser.add_argument("--slo-ttft-ms", type=cli_args.number(above=0), default=1000.0,
+                        help="goodput: first token within this")
+    parser.add_argument("--slo-tpot-ms", type=cli_args.number(above=0), default=None,
+                        help="goodput: and this per later token")
     parser.add_argument("--no-stream", action="store_true", help="plain JSON replies (no TTFT/ITL then)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it fails")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    parser.add_argument("--timeout", type=cli_args.number(above=0), default=600.0,
+                        help="seconds per request before it fails")
+    parser.add_argument("--startup-timeout", type=cli_args.number(above=0), default=300.0,
+                        help="seconds to wait for /health")
     parser.add_argument("--device", default=None, help="passed on to 05_server.py")
     args = parser.parse_args(argv)
     offline.check_common(parser, args)
-    if args.concurrency is not None and args.concurrency < 1:
-        parser.error("--concurrency must be >= 1")
-    if args.request_rate is not None and args.request_rate <= 0:
-        parser.error("--request-rate must be > 0")
-    if args.slo_ttft_ms <= 0 or (args.slo_tpot_ms is not None and args.slo_tpot_ms <= 0):
-        parser.error("--slo-ttft-ms and --slo-tpot-ms must be > 0")
     if args.url and args.engine:
         parser.error("give --url (servers already running) or --engine (servers to launch), not both")
 
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
         except KeyboardInterrupt:   # Ctrl-C: the ExitStack has already stopped the servers
             print("\n[interrupted]", file=sys.stderr)
             raise SystemExit(130) from None
+        except RuntimeError as exc:   # a server that did not come up: its own last lines say why
+            raise SystemExit(f"error: {exc}") from None
     all_stats = [offline.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, all_records, seconds)]
 
     mode = ("sequential" if not (args.concurrency or args.request_rate) else

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 setup = importlib.import_module("01_setup")
 sampling = importlib.import_module("02_sampling")
 decode_loop = importlib.import_module("07_decode_loop")  # one definition of the cache keyword
+cli_args = importlib.import_module("cli_args")
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived an"
 
@@ -176,17 +177,24 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--steps", type=int, default=128, help="tokens to decode each way")
-    parser.add_argument("--repeats", type=int, default=2, help="time each step this many times, keep the fastest")
-    parser.add_argument("--plot", type=Path, default=None, help="save the latency plots here (png)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the measurements here")
+    parser.add_argument("--steps", type=cli_args.integer(1, 100_000), default=128, help="tokens to decode each way")
+    parser.add_argument("--repeats", type=cli_args.integer(1, 100), default=2,
+                        help="time each step this many times, keep the fastest")
+    parser.add_argument("--plot", type=cli_args.plot_file(), default=None, help="save the latency plots here (png)")
+    parser.add_argument("--json", type=cli_args.output_file(".json"), default=None, help="also write the measurements here")
     args = parser.parse_args()
-    if args.steps < 1 or args.repeats < 1:
-        parser.error("--steps and --repeats must be >= 1")
-
-    device = setup.pick_device(args.device)
-    tokenizer, model = setup.load_model(args.model, device=device)
+    if not args.prompt:
+        parser.error("--prompt must not be empty")
+    try:
+        device = setup.pick_device(args.device)
+        tokenizer, model = setup.load_model(args.model, device=device)
+    except ValueError as exc:
+        parser.error(str(exc))
     prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    context = model.config.max_position_embeddings
+    if prompt_ids.shape[1] + max(args.steps, 3) > context:
+        parser.error(f"the prompt ({prompt_ids.shape[1]} tokens) and --steps {args.steps} do not fit the "
+                     f"model's context of {context} tokens")
     decode_both(model, prompt_ids, 3)  # warm-up: the first calls pay one-off costs
     cached, uncached = decode_both(model, prompt_ids, args.steps, args.repeats)
     same = cached.tokens == uncached.tokens
@@ -235,12 +243,11 @@ def main() -> None:
           f" -> grouped-query attention saves {config.num_attention_heads / kv_heads:.0f}x")
 
     if args.plot:
-        plot(cached, uncached, args.plot, f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
+        plot(cached, uncached, Path(args.plot), f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
              f"decode with vs without the KV cache")
         print(f"\nplot written to {args.plot}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
+        Path(args.json).write_text(json.dumps({
             "device": device.type, "prompt_tokens": prompt_ids.shape[1], "same_tokens": same,
             "with_cache": {"positions": cached.positions, "step_seconds": cached.step_seconds},
             "without_cache": {"positions": uncached.positions, "step_seconds": uncached.step_seconds},

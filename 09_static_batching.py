@@ -33,6 +33,7 @@ from statistics import median
 import torch
 
 decode_loop = importlib.import_module("07_decode_loop")
+cli_args = importlib.import_module("cli_args")
 engine04 = decode_loop.engine04
 SamplingParams, GenerateResult = decode_loop.SamplingParams, decode_loop.GenerateResult
 
@@ -189,16 +190,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 5: static batching, measured against batch size.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per size, alternating which way goes first")
-    parser.add_argument("--plot", metavar="PNG", default=None, help="save throughput/latency plots here")
-    parser.add_argument("--json", metavar="PATH", default=None, help="save the table as JSON here")
+    parser.add_argument("--sizes", type=cli_args.integer(1, 256), nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--max-new-tokens", type=cli_args.integer(1, 100_000), default=32)
+    parser.add_argument("--repeats", type=cli_args.integer(1, 100), default=2,
+                        help="rounds per size, alternating which way goes first")
+    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), default=None,
+                        help="save throughput/latency plots here")
+    parser.add_argument("--json", metavar="PATH", type=cli_args.output_file(".json"), default=None,
+                        help="save the table as JSON here")
     args = parser.parse_args()
-    if min(args.sizes) < 1 or args.repeats < 1:
-        parser.error("--sizes and --repeats must be >= 1")
-
-    engine = StaticBatchEngine(args.model, device=args.device, max_batch_size=max(args.sizes))
+    try:
+        engine = StaticBatchEngine(args.model, device=args.device, max_batch_size=max(args.sizes))
+        for prompt in engine04.reference_prompts():   # every prompt with its budget fits, or say so now
+            engine.encode(prompt, args.max_new_tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
     print(f"\n[Static batching vs sequential generate, {args.max_new_tokens} new tokens, ignore_eos, reference "
           f"prompts cycled; medians of {args.repeats} alternating rounds, (range) = the rounds' lowest-highest ratio]"
           f"\n{HEADER}")

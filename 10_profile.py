@@ -152,3 +152,8 @@ def plot_profile(table: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"[plot] {path}")
+
+
+if __name__ == "__main__":
+    # A module of Chapter 6's tools; its demonstration is the model's own script.
+    print("10_profile.py is used by 10_model.py: run  python 10_model.py --profile [--plot ch6-profile.png]")

@@ -58,8 +58,12 @@ class KVPool:
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # zeros, not empty: the slots of a last block past its sequence's end are read (then
         # masked), and uninitialised memory can hold NaN bit patterns, which survive a zero weight.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        try:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        except (RuntimeError, MemoryError) as exc:   # torch's out-of-memory errors are RuntimeErrors
+            raise ValueError(f"a KV pool of {num_blocks:,} blocks x {block_size} tokens does not fit in "
+                             f"this device's memory ({str(exc).splitlines()[0]}); lower kv_memory") from None
         # Where context() copies a batch's blocks: two buffers reused by every layer and every step
         # (fresh ones per layer cost more in page faults than the copy itself). Zeros, for the same reason.
         self.scratch = [torch.zeros(0, block_size * shape[1] * shape[2], dtype=dtype, device=device)] * 2

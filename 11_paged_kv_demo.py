@@ -26,6 +26,7 @@ import torch
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
+cli_args = importlib.import_module("cli_args")
 SamplingParams = engine04.SamplingParams
 
 
@@ -81,7 +82,7 @@ def print_capacity(table: dict, kv_memory: int, bytes_per_token: int) -> None:
     base = next(iter(table.values()))["fits"]
     for name, row in table.items():
         print(f"  {name:<22}{row['slots_per_seq']:>15.0f}{row['waste']:>9.0%}{row['fits']:>14}  "
-              f"({row['fits'] / base:.1f}x)")
+              + (f"({row['fits'] / base:.1f}x)" if base else "(-)"))
 
 
 # --8<-- [start:live]
@@ -148,7 +149,8 @@ def main() -> None:
     parser = engine04.demo_parser("Chapter 7: a paged KV cache.")
     parser.add_argument("--kv-memory", default="512MB", help="KV pool size (default 512MB)")
     parser.add_argument("--block-size", type=int, default=paged.DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--plot", metavar="PNG", help="save memory-vs-requests and block-table pictures")
+    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(),
+                        help="save memory-vs-requests and block-table pictures")
     args = parser.parse_args()
     try:
         kv_memory = parse_bytes(args.kv_memory)

@@ -23,6 +23,7 @@ import time
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 pc = importlib.import_module("12_prefix_cache")
+cli_args = importlib.import_module("cli_args")
 SamplingParams = engine04.SamplingParams
 
 
@@ -176,9 +177,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--questions", type=int, default=16, help="how many of the 16 questions to send")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=cli_args.integer(1, 4096), default=24)
     parser.add_argument("--block-size", type=int, default=pc.paged.DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--plot", metavar="PNG", help="save TTFT per request, cache off and on")
+    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), help="save TTFT per request, cache off and on")
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
                              "(module:Class taking prefix_caching=), e.g. 13_continuous_batching:ContinuousBatchingEngine")
@@ -187,17 +188,19 @@ def main() -> None:
     workload = load_workload()
     if not 1 <= args.questions <= len(workload["questions"]):
         parser.error(f"--questions must be between 1 and {len(workload['questions'])}")
+    if args.at_once and args.plot:
+        parser.error("--plot draws the requests one by one, cache off and on: drop --at-once")
     try:
         if args.at_once:
             return all_at_once(args.at_once, args, workload, args.questions)
         engine = pc.PrefixCachingEngine(args.model, device=args.device, block_size=args.block_size)
-    except (ValueError, OSError) as exc:
+        engine.generate("Hello!", 4)            # warm-up: the first forward pays for allocations
+        engine.reset_prefix_cache()
+        qa = shared_system_prompt(engine, workload, args.questions, args.max_new_tokens)
+        engine.reset_prefix_cache()             # the conversation starts cold too
+        chat = conversation(engine, workload, args.max_new_tokens)
+    except (ValueError, OSError) as exc:        # e.g. a conversation that outgrows the model's context
         raise SystemExit(f"error: {exc}") from None
-    engine.generate("Hello!", 4)            # warm-up: the first forward pays for allocations
-    engine.reset_prefix_cache()
-    qa = shared_system_prompt(engine, workload, args.questions, args.max_new_tokens)
-    engine.reset_prefix_cache()             # the conversation starts cold too
-    chat = conversation(engine, workload, args.max_new_tokens)
     summarize(engine, qa, chat, workload)
     if args.plot:
         plot(qa, chat, args.plot)

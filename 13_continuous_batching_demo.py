@@ -26,6 +26,7 @@ bench = importlib.import_module("06_benchmark_offline")
 static09 = importlib.import_module("09_static_batching")
 parse_bytes = importlib.import_module("11_paged_kv_demo").parse_bytes
 cb = importlib.import_module("13_continuous_batching")
+cli_args = importlib.import_module("cli_args")
 SamplingParams, WorkItem = engine04.SamplingParams, bench.WorkItem
 
 
@@ -256,21 +257,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--dtype", default="float32", choices=sorted(engine04.DTYPES))
-    parser.add_argument("--requests", type=int, default=12, help="first N of the mixed workload (default 12)")
-    parser.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson, default 4)")
-    parser.add_argument("--output-scale", type=float, default=0.25, help="times each max_tokens (default 0.25)")
-    parser.add_argument("--seed", type=int, default=0, help="arrival times and prompt texts")
+    parser.add_argument("--requests", type=cli_args.integer(1, 1000), default=None,
+                        help="first N of the mixed workload (default 12)")
+    parser.add_argument("--rate", type=cli_args.number(above=0), default=4.0,
+                        help="mean arrivals per second (Poisson, default 4)")
+    parser.add_argument("--output-scale", type=cli_args.number(above=0, high=16), default=None,
+                        help="times each max_tokens (default 0.25)")
+    parser.add_argument("--seed", type=cli_args.integer(0, 2**32 - 1), default=0, help="arrival times and prompt texts")
     parser.add_argument("--kv-memory", default="512MB", help="KV pool of the continuous engine (default 512MB)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (and static's batch)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step")
     parser.add_argument("--small", action="store_true", help="6 requests, budgets x0.125: a quick look")
     parser.add_argument("--no-compare", action="store_true", help="only the continuous run (no static/sequential)")
-    parser.add_argument("--plot", metavar="PNG", help="save the timelines and the comparison here")
+    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), help="save the timelines and the comparison here")
     args = parser.parse_args(argv)
-    if args.small:
-        args.requests, args.output_scale = 6, 0.125
-    if args.requests < 1 or args.rate <= 0 or args.output_scale <= 0:
-        parser.error("--requests, --rate and --output-scale must be > 0")
+    if args.small and (args.requests, args.output_scale) != (None, None):
+        parser.error("--small sets --requests 6 and --output-scale 0.125: give either --small or those")
+    args.requests = args.requests or (6 if args.small else 12)
+    args.output_scale = args.output_scale or (0.125 if args.small else 0.25)
     try:
         engine = TracedEngine(args.model, device=args.device, dtype=engine04.DTYPES[args.dtype],
                               kv_memory=parse_bytes(args.kv_memory), max_num_seqs=args.max_num_seqs,
@@ -279,16 +283,19 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {exc}") from None
     params = SamplingParams()          # greedy, EOS on: answers end when the model says so, or at the budget
     raw = bench.mixed_workload(engine.tokenizer, args.requests, args.seed)
-    items, lengths, fits = [], [], engine.blocks.num_blocks * engine.blocks.block_size
+    items, lengths = [], []
+    fits = min(engine.blocks.num_blocks * engine.blocks.block_size, engine.context_length)
     for i, it in enumerate(raw):       # a request longer than the whole pool is refused, never queued
         budget, n = max(1, round(it.max_new_tokens * args.output_scale)), len(engine.tokenizer(it.prompt).input_ids)
         if n + budget > fits:
-            print(f"[Workload] r{i} left out: {n} + {budget} tokens can never fit a pool of {fits} tokens")
+            print(f"[Workload] r{i} left out: {n} + {budget} tokens can never fit the pool or the context "
+                  f"({fits} tokens)")
         else:
             items.append(WorkItem(it.prompt, budget))
             lengths.append(n)
     if not items:
-        raise SystemExit(f"error: no request fits a KV pool of {fits} tokens: raise --kv-memory")
+        raise SystemExit(f"error: no request fits in {fits} tokens (the KV pool or the context): raise "
+                         "--kv-memory or lower --output-scale")
     arrivals = arrival_times(len(items), args.rate, args.seed)
     budgets = [it.max_new_tokens for it in items]
     print(f"\n[Workload] {len(items)} requests of data/mixed_workload.json: prompts {min(lengths)}-{max(lengths)} "

@@ -31,6 +31,7 @@ quant16 = importlib.import_module("16_quantization")
 demo16 = importlib.import_module("16_quantization_demo")
 matmuls_ms = importlib.import_module("13_matmul_bound").matmuls_ms   # one decode step's weight matmuls
 engine04 = importlib.import_module("04_engine")
+cli_args = importlib.import_module("cli_args")
 
 
 # --8<-- [start:hollow]
@@ -67,11 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 12: the matmuls' share of a batch-1 decode step.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4-g32", "int4-g64"])
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (the median is shown)")
+    parser.add_argument("--rounds", type=cli_args.integer(1, 100), default=7, help="alternating rounds (the median is shown)")
     engine04.add_threads_flag(parser)
     args = parser.parse_args()
     try:
         specs = list(dict.fromkeys(["none", *args.modes]))      # float32 first: every ratio is against it
+        for spec in specs:
+            demo16.parse_mode(spec)                              # a typo fails before the model loads
         base = engine10.ModelEngine(args.model, device="cpu")
         models = {quant16.describe(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
     except (ValueError, OSError) as exc:

@@ -28,6 +28,7 @@ engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
 quant16 = importlib.import_module("16_quantization")
+cli_args = importlib.import_module("cli_args")
 SamplingParams = engine04.SamplingParams
 HELDOUT_PATH = setup.REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
 LLAMA_CPP = "llama.cpp Q4_1 GGUF"
@@ -38,16 +39,18 @@ DEFAULT_MODES = ["none", "bf16", "fp16", "int8", "int8-f32head", "int4-g32", "in
 def parse_mode(spec: str) -> tuple[str, int, str]:
     """'int4-g64-f32head' -> ('int4', 64, 'f32'): quant, group size, the head's format."""
     quant, *rest = spec.split("-")
-    group, head = 32, "auto"
+    group, head, grouped = 32, "auto", False
     for part in rest:
         if part.startswith("g") and part[1:].isdigit():
-            group = int(part[1:])
+            group, grouped = int(part[1:]), True
         elif part.endswith("head") and part.removesuffix("head") in quant16.HEAD_FORMATS:
             head = part.removesuffix("head")
         else:
             raise ValueError(f"cannot read mode {spec!r}: expected e.g. int8, int4-g64, int4-g32-f32head, "
                              f"int4-g32-int4head")
     quant16.check_settings(quant, group, head)
+    if grouped and "int4" not in (quant, head):
+        raise ValueError(f"mode {spec!r}: a group size only applies to int4 (layers or head)")
     return quant, group, head
 
 
@@ -185,16 +188,19 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
                         help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32, "
                              "'-int4head' packs it in int4 too")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--max-new-tokens", type=cli_args.integer(2, 4096), default=32,
+                        help="at least 2: decode speed is timed from the second token on")
+    parser.add_argument("--rounds", type=cli_args.integer(1, 100), default=3,
                         help="alternating batch-32 rounds, twice as many at batch 1 (medians are shown)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate batch-1 anchor")
     parser.add_argument("--llama-cpp", default=None, metavar="GGUF",
                         help="also time llama.cpp on this GGUF at batch 1 (needs llama-cpp-python; "
                              "see llama_cpp_anchor.py)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="speed against perplexity")
+    parser.add_argument("--plot", default=None, metavar="PNG", type=cli_args.plot_file(), help="speed against perplexity")
     engine04.add_threads_flag(parser)
     args = parser.parse_args()
+    if args.llama_cpp == "":
+        parser.error("--llama-cpp needs the path of a GGUF file")
     try:
         specs = list(args.modes)
         for spec in specs:

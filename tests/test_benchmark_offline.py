@@ -351,8 +351,16 @@ def test_mixed_workload_compares_sequential_static_and_all_at_once(mixed_world, 
     (["--workload", "mixed", "--prompts", "other.json"], "drop --prompts"),
     (["--workload", "random"], "invalid choice"),
     (["--batch", "NoSuchEngine"], "--batch names engines not given with --engine: NoSuchEngine"),
-    (["--batch", "--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--workload", "mixed", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--batch", "--batch-size", "0"], "argument --batch-size: 0 is out of range: between 1 and 4096"),
+    (["--batch-size", "2"], "--batch-size only applies with --batch"),
+    (["--workload", "mixed", "--num-prompts", "0"], "argument --num-prompts: 0 is out of range"),
+    (["--num-prompts", "1000000000000"], "argument --num-prompts: 1000000000000 is out of range"),
+    (["--warmup", "-1"], "argument --warmup: -1 is out of range"),
+    (["--max-new-tokens", "nan"], "argument --max-new-tokens: 'nan' is not an integer"),
+    (["--seed", "-1"], "argument --seed: -1 is out of range"),
+    (["--prompts", ""], "--prompts needs a file name"),
+    (["--plot", "x.txt"], "argument --plot: 'x.txt' should end in one of .png"),
+    (["--json", "/tmp"], "argument --json: '/tmp' is a folder, not a file name"),
 ])
 def test_bad_flags_are_refused_with_the_reason(argv, message, mixed_world, capsys):
     with pytest.raises(SystemExit):

@@ -212,10 +212,14 @@ def test_servers_alternate_and_goodput_is_compared(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--slo-ttft-ms", "0"], "--slo-ttft-ms and --slo-tpot-ms must be > 0"),
-    (["--slo-tpot-ms", "-5"], "--slo-ttft-ms and --slo-tpot-ms must be > 0"),
+    (["--slo-ttft-ms", "0"], "argument --slo-ttft-ms: 0 is out of range: greater than 0"),
+    (["--slo-tpot-ms", "-5"], "argument --slo-tpot-ms: -5 is out of range"),
+    (["--slo-ttft-ms", "nan"], "argument --slo-ttft-ms: nan is not a finite number"),
+    (["--request-rate", "nan"], "argument --request-rate: nan is not a finite number"),
+    (["--timeout", "0"], "argument --timeout: 0 is out of range"),
+    (["--startup-timeout", "inf"], "argument --startup-timeout: inf is not a finite number"),
     (["--workload", "mixed", "--max-new-tokens", "16"], "drop --max-new-tokens"),
-    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--concurrency", "0"], "argument --concurrency: 0 is out of range"),
 ])
 def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit):

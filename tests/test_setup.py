@@ -82,7 +82,10 @@ def test_a_tampered_gguf_is_refused(monkeypatch, tmp_path):
 
 
 def test_resolve_model(tmp_path, default_model_dir):
-    assert setup.resolve_model(str(tmp_path)) == str(tmp_path)          # a local folder
+    with pytest.raises(ValueError, match="not a model: it has no config.json"):
+        setup.resolve_model(str(tmp_path))                              # a folder, but not a model
+    (tmp_path / "config.json").write_text("{}")
+    assert setup.resolve_model(str(tmp_path)) == str(tmp_path)          # a local model folder
     assert setup.resolve_model("arnir0/Tiny-LLM") == "arnir0/Tiny-LLM"  # a hub id, untouched
     assert Path(setup.resolve_model(None)) == default_model_dir
     assert Path(setup.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")) == default_model_dir
@@ -98,6 +101,9 @@ def test_pick_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             setup.pick_device("cuda")
+    for bad in ("tpu", "cuda:abc", "meta"):   # torch's own RuntimeError, or a device no engine runs on
+        with pytest.raises(ValueError, match="use cpu, cuda, cuda:N or mps"):
+            setup.pick_device(bad)
 
 
 def test_cpu_flags_are_read_from_cpuinfo(setup_mod):

@@ -1,0 +1,56 @@
+"""cli_args.py: the scripts' flags refuse bad values in one line, before any model loads."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, load_script
+
+cli = load_script("cli_args")
+
+
+def test_integer_bounds_and_types():
+    parse = cli.integer(1, 10)
+    assert parse("3") == 3
+    for bad, why in (("0", "out of range: between 1 and 10"), ("11", "out of range"), ("1.5", "not an integer"),
+                     ("nan", "not an integer"), ("", "not an integer")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse(bad)
+    assert cli.integer(0)("1000000") == 1000000
+
+
+def test_number_is_finite_and_bounded():
+    assert cli.number(above=0)("0.5") == 0.5
+    for bad, why in (("nan", "not a finite number"), ("inf", "not a finite number"), ("0", "greater than 0"),
+                     ("-1", "greater than 0"), ("x", "not a number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            cli.number(above=0)(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="between 0 and 16"):
+        cli.number(0, 16)("17")
+
+
+def test_output_file_is_checked_and_its_folder_made(tmp_path):
+    target = tmp_path / "new" / "plot.png"
+    assert cli.plot_file()(str(target)) == str(target) and target.parent.is_dir()
+    for bad, why in ((str(tmp_path), "is a folder"), ("", "is a folder"), (str(tmp_path / "x.txt"), "should end in")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            cli.plot_file()(bad)
+    assert cli.output_file()(str(tmp_path / "any.name")).endswith("any.name")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["09_static_batching.py", "--sizes", "0"], "argument --sizes: 0 is out of range"),
+    (["13_continuous_batching.py", "--rate", "nan"], "argument --rate: nan is not a finite number"),
+    (["13_continuous_batching.py", "--small", "--requests", "3"], "give either --small or those"),
+    (["16_quantization.py", "--rounds", "0"], "argument --rounds: 0 is out of range"),
+    (["05_server.py", "--port", "70000"], "argument --port: 70000 is out of range"),
+    (["05_server.py", "--host", ""], "--host must name an address"),
+    (["04_engine.py", "--device", "tpu"], "unknown device 'tpu'"),
+    (["05_server.py", "--engine", ".x:Y"], "engine spec must look like 'module:Class'"),
+])
+def test_scripts_refuse_bad_flags_in_one_line(argv, message):
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert message in proc.stderr
