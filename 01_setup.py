@@ -139,10 +139,11 @@ def resolve_model(name: str | None = None) -> str:
     if name in (DEFAULT_MODEL, "default", f"HuggingFaceTB/{DEFAULT_MODEL}"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default path never contacts a hub
         return str(provision_default_model())
-    if Path(name).expanduser().is_dir():
-        if not (Path(name).expanduser() / "config.json").is_file():
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
             raise ValueError(f"{name!r} is a folder but not a model: it has no config.json")
-        return str(Path(name).expanduser())
+        return str(folder)
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         raise ValueError(f"model folder {name!r} does not exist (and it is not an HF id like 'org/name')")
     return name

@@ -64,10 +64,6 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted((k, float(v)) for k, v in bias)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from exc
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):   # NaN slips past every comparison below
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -88,14 +84,15 @@ class SamplingParams:
         self._check_adjustments()
 
     def _check_types(self) -> None:
-        # True is an int in Python, and "0.5" would fail later, deep in torch, with a TypeError.
+        # True is an int in Python, "0.5" would fail later, deep in torch, with a TypeError,
+        # and NaN slips past every range comparison below.
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         for name in ("top_k", "max_tokens", "seed", "logprobs"):
             value = getattr(self, name)
-            if (value is not None or name == "top_k") and (isinstance(value, bool) or not isinstance(value, int)):
+            if (value is not None or name == "top_k") and not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
@@ -150,11 +147,19 @@ class SamplingParams:
 
     def token_budget(self, max_new_tokens: int) -> int:
         """The number of new tokens a request may produce: max_new_tokens, capped by max_tokens."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_max_new_tokens(max_new_tokens)
         return min(max_new_tokens, self.max_tokens or max_new_tokens)
+
+
+def is_integer(value) -> bool:
+    """An int that is not a bool (True is an int in Python, but not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    """An integer >= 1: NaN, 1.5 or True would slip past the comparisons that bound a request."""
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 # --8<-- [end:sampling-params]
 
 

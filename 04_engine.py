@@ -26,9 +26,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
                                                     SequenceBiasLogitsProcessor)
 
 setup = importlib.import_module("01_setup")
-sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
 cpu_threads = importlib.import_module("cpu_threads")
+cli_args = importlib.import_module("cli_args")
 hf_hooks = importlib.import_module("hf_hooks")   # how HF's generate honours SamplingParams
 SamplingParams = contracts.SamplingParams
 GenerateResult = contracts.GenerateResult
@@ -141,8 +141,7 @@ class BaselineEngine(BaseOfflineEngine):
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:   # "\ud800": half of a UTF-16 pair, which no tokenizer reads
             raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {exc.start}") from None
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        contracts.check_max_new_tokens(max_new_tokens)
         input_ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         n_prompt = input_ids.shape[1]
         if n_prompt + max_new_tokens > self.context_length:
@@ -361,8 +360,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class _TorchThreads(argparse.Action):
     def __call__(self, parser, namespace, value, option_string=None):
-        if not 1 <= value <= 1024:
-            parser.error(f"{option_string} must be between 1 and 1024, got {value}")
         torch.set_num_threads(value)
         setattr(namespace, self.dest, value)
 
@@ -370,7 +367,7 @@ class _TorchThreads(argparse.Action):
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     """--threads N sets torch's CPU threads as it is parsed. On a 2-core machine shared with
     other work, torch's two threads mostly wait for each other; one thread is steadier."""
-    parser.add_argument("--threads", type=int, default=None, action=_TorchThreads,
+    parser.add_argument("--threads", type=cli_args.integer(1, 1024), default=None, action=_TorchThreads,
                         help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
 
 

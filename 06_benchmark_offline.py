@@ -375,9 +375,6 @@ def check_common(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--prompts needs a file name")
     if args.max_new_tokens is None and args.workload == "prompts":
         args.max_new_tokens = 32
-    sizes = [v for v in (args.max_new_tokens, args.runs, args.num_prompts) if v is not None]   # 0 is no default
-    if min(sizes) < 1 or args.warmup < 0:
-        parser.error("--max-new-tokens, --runs and --num-prompts must be >= 1, --warmup >= 0")
 
 
 def save_outputs(args, config: dict, all_stats: list[BenchStats], all_records: list[list], title: str) -> None:

@@ -231,8 +231,7 @@ def sampling_params(req: SamplingFields) -> SamplingParams:
                               logit_bias=bias, logprobs=logprobs,
                               **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
     except ValueError as exc:   # SamplingParams' messages start with the field's name
-        name = str(exc).split()[0]
-        raise APIError(400, str(exc), param=name if name in type(req).model_fields else None) from exc
+        raise from_engine_error(exc) from exc
 
 
 # --8<-- [start:logprobs]
