@@ -34,7 +34,7 @@ import importlib
 
 import torch
 
-cli_args = importlib.import_module("cli_args")   # flags checked as they are parsed
+from kit import cli   # flags checked as they are parsed
 setup = importlib.import_module("01_setup")
 contracts = importlib.import_module("03_contracts")
 
@@ -213,7 +213,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Sampling made visible on the model's next-token logits.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default="My favourite hobby is")
-    parser.add_argument("--seed", type=cli_args.integer(*contracts.SEED_RANGE), default=0)
+    parser.add_argument("--seed", type=cli.integer(*contracts.SEED_RANGE), default=0)
     args = parser.parse_args()
     if not args.prompt:
         parser.error("--prompt must not be empty")

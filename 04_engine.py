@@ -27,9 +27,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
 
 setup = importlib.import_module("01_setup")
 contracts = importlib.import_module("03_contracts")
-cpu_threads = importlib.import_module("cpu_threads")
-cli_args = importlib.import_module("cli_args")
-hf_hooks = importlib.import_module("hf_hooks")   # how HF's generate honours SamplingParams
+from kit import threads as cpu_threads
+from kit import cli
+hf_hooks = importlib.import_module("04_hf_hooks")   # how HF's generate honours SamplingParams
 SamplingParams = contracts.SamplingParams
 GenerateResult = contracts.GenerateResult
 RequestMetrics = contracts.RequestMetrics
@@ -367,7 +367,7 @@ class _TorchThreads(argparse.Action):
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     """--threads N sets torch's CPU threads as it is parsed. On a 2-core machine shared with
     other work, torch's two threads mostly wait for each other; one thread is steadier."""
-    parser.add_argument("--threads", type=cli_args.integer(1, 1024), default=None, action=_TorchThreads,
+    parser.add_argument("--threads", type=cli.integer(1, 1024), default=None, action=_TorchThreads,
                         help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
 
 

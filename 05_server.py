@@ -41,13 +41,14 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-import openai_api as api   # the wire format: request bodies, errors, answer shapes
-from async_bridge import all_or_nothing, run_ahead, until_disconnected   # blocking engine, asyncio server
-from openai_api import APIError, ChatRequest, CompletionRequest, SamplingParams, SamplingFields, from_engine_error, sse
+from kit import cli
+from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
+from kit import server_ops          # keys, metrics, overload, shutdown, the page
+from kit.bridge import all_or_nothing, run_ahead, until_disconnected   # blocking engine, asyncio server
+from kit.openai_api import APIError, ChatRequest, CompletionRequest, SamplingFields, from_engine_error, sse
 
 engine_lib = importlib.import_module("04_engine")
-server_ops = importlib.import_module("server_ops")  # keys, metrics, overload, shutdown, the page
-cli_args = importlib.import_module("cli_args")
+SamplingParams = engine_lib.SamplingParams
 
 DEFAULT_ENGINE = "04_engine:BaselineEngine"
 DEFAULT_MAX_TOKENS = 128
@@ -207,7 +208,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
         messages = api.chat_messages(req.messages)
-        params = api.sampling_params(req)
+        params = api.sampling_params(req, SamplingParams)
 
         def prepare() -> tuple[str, int]:   # template and tokenizer: in a thread, not on the event loop
             prompt = engine_lib.render_chat(engine.tokenizer, messages)
@@ -237,7 +238,7 @@ def make_app(engine, model_name: str | None = None, ops=None, max_body_bytes: in
         if not prompts or not all(prompts):
             raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
         check_model(req)
-        params = api.sampling_params(req)
+        params = api.sampling_params(req, SamplingParams)
         budgets = await run_in_threadpool(lambda: [token_budget(p, req.max_tokens) for p in prompts])
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -330,7 +331,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve an engine over OpenAI's HTTP API.")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes it to the network")
-    parser.add_argument("--port", type=cli_args.integer(1, 65535), default=8001)
+    parser.add_argument("--port", type=cli.integer(1, 65535), default=8001)
     parser.add_argument("--model", default=os.environ.get("ENGINE_MODEL"),
                         help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
@@ -338,8 +339,8 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     batching = parser.add_argument_group("continuous batching (engines of Chapter 7 on; omitted: their defaults)")
     batching.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 512MB")
-    batching.add_argument("--max-num-seqs", type=cli_args.integer(1), default=None, help="sequences in one step, at most")
-    batching.add_argument("--max-num-batched-tokens", type=cli_args.integer(1), default=None,
+    batching.add_argument("--max-num-seqs", type=cli.integer(1), default=None, help="sequences in one step, at most")
+    batching.add_argument("--max-num-batched-tokens", type=cli.integer(1), default=None,
                           help="tokens in one step, at most")
     batching.add_argument("--prefix-caching", action="store_true", default=None,
                           help="reuse the KV blocks of prompt prefixes seen before (Chapter 8)")

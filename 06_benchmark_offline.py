@@ -42,7 +42,7 @@ setup = importlib.import_module("01_setup")
 engine_mod = importlib.import_module("04_engine")
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
 paged_demo = importlib.import_module("11_paged_kv_demo")   # owns data/mixed_workload.json
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 PROMPTS_PATH = setup.REPO_ROOT / "data" / "benchmark_prompts.json"
 
 
@@ -353,16 +353,16 @@ def common_args(parser: argparse.ArgumentParser) -> None:
                         help="prompts: the committed prompt set, one budget (--max-new-tokens); mixed: "
                         "data/mixed_workload.json's prompt lengths and per-request budgets")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="benchmark prompt file")
-    parser.add_argument("--num-prompts", type=cli_args.integer(1, 10_000), default=None,
+    parser.add_argument("--num-prompts", type=cli.integer(1, 10_000), default=None,
                         help="use only the first N prompts (mixed: N requests, default 32)")
-    parser.add_argument("--max-new-tokens", type=cli_args.integer(1, 100_000), default=None,
+    parser.add_argument("--max-new-tokens", type=cli.integer(1, 100_000), default=None,
                         help="budget of every request (default 32; the mixed workload brings its own)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the whole budget (equal work)")
-    parser.add_argument("--seed", type=cli_args.integer(0, 2**32 - 1), default=0,
+    parser.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=0,
                         help="which text each mixed prompt gets; online, also the arrival schedule")
-    parser.add_argument("--warmup", type=cli_args.integer(0, 1000), default=2, help="requests run first and discarded")
-    parser.add_argument("--json", type=cli_args.output_file(".json"), default=None, help="write the full results here")
-    parser.add_argument("--plot", type=cli_args.plot_file(), default=None, help="write a PNG of latency and throughput here")
+    parser.add_argument("--warmup", type=cli.integer(0, 1000), default=2, help="requests run first and discarded")
+    parser.add_argument("--json", type=cli.output_file(".json"), default=None, help="write the full results here")
+    parser.add_argument("--plot", type=cli.plot_file(), default=None, help="write a PNG of latency and throughput here")
 
 
 def check_common(parser: argparse.ArgumentParser, args) -> None:
@@ -409,12 +409,12 @@ def measure(engines: list, runners: list, items: list[list[WorkItem]], params, a
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Offline benchmark: time engine.generate in-process.")
     common_args(parser)
-    parser.add_argument("--runs", type=cli_args.integer(1, 1000), default=2, help="measured passes over the prompt set")
+    parser.add_argument("--runs", type=cli.integer(1, 1000), default=2, help="measured passes over the prompt set")
     parser.add_argument("--batch", nargs="*", metavar="ENGINE", default=None,
                         help="time generate_batch (static batches) instead of generate: for every engine, "
                         "or only those named (module:Class or Class). Engines with submit() always get "
                         "every request at once")
-    parser.add_argument("--batch-size", type=cli_args.integer(1, 4096), default=None, help="with --batch: chunks of this size")
+    parser.add_argument("--batch-size", type=cli.integer(1, 4096), default=None, help="with --batch: chunks of this size")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
     check_common(parser, args)

@@ -42,8 +42,8 @@ import numpy as np
 from tqdm import tqdm
 
 offline = importlib.import_module("06_benchmark_offline")  # one definition of the statistics
-launcher = importlib.import_module("server_process")      # ... and of launching the server
-cli_args = importlib.import_module("cli_args")
+launcher = importlib.import_module("kit.launcher")      # ... and of launching the server
+from kit import cli
 setup = offline.setup
 RequestRecord = offline.RequestRecord
 
@@ -218,19 +218,19 @@ def main(argv: list[str] | None = None) -> dict:
     offline.common_args(parser)
     parser.add_argument("--url", action="append", help="measure this running server instead of launching "
                         "05_server.py (repeat it to compare servers)")
-    parser.add_argument("--runs", type=cli_args.integer(1, 1000), default=2, help="passes over the prompt set (as offline)")
-    parser.add_argument("--concurrency", type=cli_args.integer(1, 10_000), default=None,
+    parser.add_argument("--runs", type=cli.integer(1, 1000), default=2, help="passes over the prompt set (as offline)")
+    parser.add_argument("--concurrency", type=cli.integer(1, 10_000), default=None,
                         help="at most this many requests in flight")
-    parser.add_argument("--request-rate", type=cli_args.number(above=0), default=None,
+    parser.add_argument("--request-rate", type=cli.number(above=0), default=None,
                         help="Poisson arrivals, requests/s (seeded by --seed)")
-    parser.add_argument("--slo-ttft-ms", type=cli_args.number(above=0), default=1000.0,
+    parser.add_argument("--slo-ttft-ms", type=cli.number(above=0), default=1000.0,
                         help="goodput: first token within this")
-    parser.add_argument("--slo-tpot-ms", type=cli_args.number(above=0), default=None,
+    parser.add_argument("--slo-tpot-ms", type=cli.number(above=0), default=None,
                         help="goodput: and this per later token")
     parser.add_argument("--no-stream", action="store_true", help="plain JSON replies (no TTFT/ITL then)")
-    parser.add_argument("--timeout", type=cli_args.number(above=0), default=600.0,
+    parser.add_argument("--timeout", type=cli.number(above=0), default=600.0,
                         help="seconds per request before it fails")
-    parser.add_argument("--startup-timeout", type=cli_args.number(above=0), default=300.0,
+    parser.add_argument("--startup-timeout", type=cli.number(above=0), default=300.0,
                         help="seconds to wait for /health")
     parser.add_argument("--device", default=None, help="passed on to 05_server.py")
     args = parser.parse_args(argv)

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
 engine04 = importlib.import_module("04_engine")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 SamplingParams, GenerateResult = contracts.SamplingParams, contracts.GenerateResult
 
 
@@ -227,7 +227,7 @@ def compare_with_generate(engine: DecodeLoopEngine, prompts: list[str], new_toke
 def main() -> None:
     parser = engine04.demo_parser("Chapter 2: our own prefill + decode loop.")
     parser.add_argument("--stream", action="store_true", help="then stream the answer token by token")
-    parser.add_argument("--compare", type=cli_args.integer(0, 100), default=0, metavar="REPS",
+    parser.add_argument("--compare", type=cli.integer(0, 100), default=0, metavar="REPS",
                         help="time HF generate vs this loop (64 tokens, ignore_eos, REPS rounds)")
     args = parser.parse_args()
     engine, prompt, params = engine04.demo(DecodeLoopEngine, args)

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 setup = importlib.import_module("01_setup")
 sampling = importlib.import_module("02_sampling")
 decode_loop = importlib.import_module("07_decode_loop")  # one definition of the cache keyword
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived an"
 
@@ -177,11 +177,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--steps", type=cli_args.integer(1, 100_000), default=128, help="tokens to decode each way")
-    parser.add_argument("--repeats", type=cli_args.integer(1, 100), default=2,
+    parser.add_argument("--steps", type=cli.integer(1, 100_000), default=128, help="tokens to decode each way")
+    parser.add_argument("--repeats", type=cli.integer(1, 100), default=2,
                         help="time each step this many times, keep the fastest")
-    parser.add_argument("--plot", type=cli_args.plot_file(), default=None, help="save the latency plots here (png)")
-    parser.add_argument("--json", type=cli_args.output_file(".json"), default=None, help="also write the measurements here")
+    parser.add_argument("--plot", type=cli.plot_file(), default=None, help="save the latency plots here (png)")
+    parser.add_argument("--json", type=cli.output_file(".json"), default=None, help="also write the measurements here")
     args = parser.parse_args()
     if not args.prompt:
         parser.error("--prompt must not be empty")

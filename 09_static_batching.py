@@ -33,7 +33,7 @@ from statistics import median
 import torch
 
 decode_loop = importlib.import_module("07_decode_loop")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 engine04 = decode_loop.engine04
 SamplingParams, GenerateResult = decode_loop.SamplingParams, decode_loop.GenerateResult
 
@@ -190,13 +190,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 5: static batching, measured against batch size.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
-    parser.add_argument("--sizes", type=cli_args.integer(1, 256), nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--max-new-tokens", type=cli_args.integer(1, 100_000), default=32)
-    parser.add_argument("--repeats", type=cli_args.integer(1, 100), default=2,
+    parser.add_argument("--sizes", type=cli.integer(1, 256), nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--max-new-tokens", type=cli.integer(1, 100_000), default=32)
+    parser.add_argument("--repeats", type=cli.integer(1, 100), default=2,
                         help="rounds per size, alternating which way goes first")
-    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), default=None,
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None,
                         help="save throughput/latency plots here")
-    parser.add_argument("--json", metavar="PATH", type=cli_args.output_file(".json"), default=None,
+    parser.add_argument("--json", metavar="PATH", type=cli.output_file(".json"), default=None,
                         help="save the table as JSON here")
     args = parser.parse_args()
     try:

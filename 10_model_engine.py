@@ -24,7 +24,7 @@ setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 decode_loop = importlib.import_module("07_decode_loop")
 model10 = importlib.import_module("10_model")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 SamplingParams, GenerateResult = engine04.SamplingParams, engine04.GenerateResult
 Sequence = decode_loop.Sequence
 
@@ -175,7 +175,7 @@ def main() -> None:
     profile = importlib.import_module("10_profile")
     parser = engine04.demo_parser("Chapter 6: the decode loop on a Llama we wrote ourselves.")
     parser.add_argument("--profile", action="store_true", help="time the parts of one decode step")
-    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), default=None,
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None,
                         help="with --profile: save a bar chart")
     args = parser.parse_args()
     if args.plot and not args.profile:

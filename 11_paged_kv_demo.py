@@ -26,7 +26,7 @@ import torch
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 SamplingParams = engine04.SamplingParams
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     parser = engine04.demo_parser("Chapter 7: a paged KV cache.")
     parser.add_argument("--kv-memory", default="512MB", help="KV pool size (default 512MB)")
     parser.add_argument("--block-size", type=int, default=paged.DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(),
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(),
                         help="save memory-vs-requests and block-table pictures")
     args = parser.parse_args()
     try:

@@ -23,7 +23,7 @@ import time
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 pc = importlib.import_module("12_prefix_cache")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 SamplingParams = engine04.SamplingParams
 
 
@@ -177,9 +177,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--questions", type=int, default=16, help="how many of the 16 questions to send")
-    parser.add_argument("--max-new-tokens", type=cli_args.integer(1, 4096), default=24)
+    parser.add_argument("--max-new-tokens", type=cli.integer(1, 4096), default=24)
     parser.add_argument("--block-size", type=int, default=pc.paged.DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), help="save TTFT per request, cache off and on")
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="save TTFT per request, cache off and on")
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
                              "(module:Class taking prefix_caching=), e.g. 13_continuous_batching:ContinuousBatchingEngine")

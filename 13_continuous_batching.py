@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import torch
 
 engine04 = importlib.import_module("04_engine")
-cpu_threads = importlib.import_module("cpu_threads")
+from kit import threads as cpu_threads
 paged = importlib.import_module("11_paged_kv")
 prefix12 = importlib.import_module("12_prefix_cache")
 scheduler13 = importlib.import_module("13_scheduler")

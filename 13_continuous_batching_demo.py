@@ -26,7 +26,7 @@ bench = importlib.import_module("06_benchmark_offline")
 static09 = importlib.import_module("09_static_batching")
 parse_bytes = importlib.import_module("11_paged_kv_demo").parse_bytes
 cb = importlib.import_module("13_continuous_batching")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 SamplingParams, WorkItem = engine04.SamplingParams, bench.WorkItem
 
 
@@ -257,19 +257,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--dtype", default="float32", choices=sorted(engine04.DTYPES))
-    parser.add_argument("--requests", type=cli_args.integer(1, 1000), default=None,
+    parser.add_argument("--requests", type=cli.integer(1, 1000), default=None,
                         help="first N of the mixed workload (default 12)")
-    parser.add_argument("--rate", type=cli_args.number(above=0), default=4.0,
+    parser.add_argument("--rate", type=cli.number(above=0), default=4.0,
                         help="mean arrivals per second (Poisson, default 4)")
-    parser.add_argument("--output-scale", type=cli_args.number(above=0, high=16), default=None,
+    parser.add_argument("--output-scale", type=cli.number(above=0, high=16), default=None,
                         help="times each max_tokens (default 0.25)")
-    parser.add_argument("--seed", type=cli_args.integer(0, 2**32 - 1), default=0, help="arrival times and prompt texts")
+    parser.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=0, help="arrival times and prompt texts")
     parser.add_argument("--kv-memory", default="512MB", help="KV pool of the continuous engine (default 512MB)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (and static's batch)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step")
     parser.add_argument("--small", action="store_true", help="6 requests, budgets x0.125: a quick look")
     parser.add_argument("--no-compare", action="store_true", help="only the continuous run (no static/sequential)")
-    parser.add_argument("--plot", metavar="PNG", type=cli_args.plot_file(), help="save the timelines and the comparison here")
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="save the timelines and the comparison here")
     args = parser.parse_args(argv)
     if args.small and (args.requests, args.output_scale) != (None, None):
         parser.error("--small sets --requests 6 and --output-scale 0.125: give either --small or those")

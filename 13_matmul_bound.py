@@ -22,7 +22,7 @@ import torch
 engine04 = importlib.import_module("04_engine")
 bench = importlib.import_module("06_benchmark_offline")
 cb = importlib.import_module("13_continuous_batching")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 
 
 # --8<-- [start:matmuls]
@@ -46,7 +46,7 @@ def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 9: the matmuls' bound on continuous batching.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--requests", type=cli_args.integer(1, 1000), default=32,
+    parser.add_argument("--requests", type=cli.integer(1, 1000), default=32,
                         help="first N of the mixed workload (default 32)")
     engine04.add_threads_flag(parser)
     args = parser.parse_args()

@@ -31,7 +31,7 @@ quant16 = importlib.import_module("16_quantization")
 demo16 = importlib.import_module("16_quantization_demo")
 matmuls_ms = importlib.import_module("13_matmul_bound").matmuls_ms   # one decode step's weight matmuls
 engine04 = importlib.import_module("04_engine")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 
 
 # --8<-- [start:hollow]
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 12: the matmuls' share of a batch-1 decode step.")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4-g32", "int4-g64"])
-    parser.add_argument("--rounds", type=cli_args.integer(1, 100), default=7, help="alternating rounds (the median is shown)")
+    parser.add_argument("--rounds", type=cli.integer(1, 100), default=7, help="alternating rounds (the median is shown)")
     engine04.add_threads_flag(parser)
     args = parser.parse_args()
     try:

@@ -28,7 +28,7 @@ engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
 quant16 = importlib.import_module("16_quantization")
-cli_args = importlib.import_module("cli_args")
+from kit import cli
 SamplingParams = engine04.SamplingParams
 HELDOUT_PATH = setup.REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
 LLAMA_CPP = "llama.cpp Q4_1 GGUF"
@@ -188,15 +188,15 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
                         help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32, "
                              "'-int4head' packs it in int4 too")
-    parser.add_argument("--max-new-tokens", type=cli_args.integer(2, 4096), default=32,
+    parser.add_argument("--max-new-tokens", type=cli.integer(2, 4096), default=32,
                         help="at least 2: decode speed is timed from the second token on")
-    parser.add_argument("--rounds", type=cli_args.integer(1, 100), default=3,
+    parser.add_argument("--rounds", type=cli.integer(1, 100), default=3,
                         help="alternating batch-32 rounds, twice as many at batch 1 (medians are shown)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate batch-1 anchor")
     parser.add_argument("--llama-cpp", default=None, metavar="GGUF",
                         help="also time llama.cpp on this GGUF at batch 1 (needs llama-cpp-python; "
-                             "see llama_cpp_anchor.py)")
-    parser.add_argument("--plot", default=None, metavar="PNG", type=cli_args.plot_file(), help="speed against perplexity")
+                             "see 16_llama_cpp.py)")
+    parser.add_argument("--plot", default=None, metavar="PNG", type=cli.plot_file(), help="speed against perplexity")
     engine04.add_threads_flag(parser)
     args = parser.parse_args()
     if args.llama_cpp == "":
@@ -218,7 +218,7 @@ def main() -> None:
     anchors = {"HF generate (float32)": hf} if hf else {}
     if args.llama_cpp:
         try:
-            anchors[LLAMA_CPP] = importlib.import_module("llama_cpp_anchor").LlamaCppEngine(
+            anchors[LLAMA_CPP] = importlib.import_module("16_llama_cpp").LlamaCppEngine(
                 args.llama_cpp, tok, torch.get_num_threads())
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None

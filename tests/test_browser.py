@@ -6,6 +6,8 @@ Needs Debian's `chromium` and `chromium-driver` (apt-get install chromium chromi
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import shutil
 
@@ -13,7 +15,7 @@ import pytest
 
 from conftest import REPO_ROOT, load_script
 
-launcher = load_script("server_process")
+launcher = importlib.import_module("kit.launcher")
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 SCREENSHOT = os.environ.get("PAGE_SCREENSHOT")   # a path: also save what the browser shows

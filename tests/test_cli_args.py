@@ -1,6 +1,7 @@
-"""cli_args.py: the scripts' flags refuse bad values in one line, before any model loads."""
+"""cli.py: the scripts' flags refuse bad values in one line, before any model loads."""
 
 import argparse
+import importlib
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 
 from conftest import REPO_ROOT, load_script
 
-cli = load_script("cli_args")
+cli = importlib.import_module("kit.cli")
 
 
 def test_integer_bounds_and_types():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import sys
 import threading
@@ -12,7 +14,7 @@ import torch
 
 from conftest import load_script
 
-cpu_threads = load_script("cpu_threads")
+cpu_threads = importlib.import_module("kit.threads")
 
 
 def os_threads() -> int:

@@ -197,7 +197,7 @@ def test_real_model_int8_and_int4_stay_close_to_float32(default_model_dir, refer
 
 def test_llama_cpp_anchor_refuses_clearly(tmp_path, monkeypatch):
     """llama-cpp-python is optional: without it, or without the file, the demo's flag says why."""
-    anchor = load_script("llama_cpp_anchor")
+    anchor = load_script("16_llama_cpp")
     with pytest.raises(ValueError, match="no GGUF file"):
         anchor.LlamaCppEngine(tmp_path / "missing.gguf", None, 2)
     (tmp_path / "model.gguf").write_bytes(b"GGUF")

@@ -8,6 +8,8 @@ behind, bad input is refused before it reaches the scheduler, and --max-waiting 
 
 from __future__ import annotations
 
+import importlib
+
 import asyncio
 import gc
 import time
@@ -20,8 +22,8 @@ from conftest import load_script
 from test_server import asgi_request
 
 server = load_script("05_server")
-server_ops = load_script("server_ops")
-launcher = load_script("server_process")
+server_ops = importlib.import_module("kit.server_ops")
+launcher = importlib.import_module("kit.launcher")
 cb = load_script("13_continuous_batching")
 engine_lib = load_script("04_engine")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +14,7 @@ from conftest import load_script
 
 openai = pytest.importorskip("openai")
 render_chat = load_script("04_engine").render_chat
-launcher = load_script("server_process")
+launcher = importlib.import_module("kit.launcher")
 
 PROMPTS = ["Tell me about the sea.", "What is 2+2?", "Name a colour.", "Write a haiku.",
            "Who wrote Hamlet?", "Explain gravity.", "Say hello in French.", "List three fruits."]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import json
 import signal
 import subprocess
@@ -17,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import REPO_ROOT, load_script
 
 server = load_script("05_server")
-ops_lib = load_script("server_ops")
-launcher = load_script("server_process")
+ops_lib = importlib.import_module("kit.server_ops")
+launcher = importlib.import_module("kit.launcher")
 HELLO = [{"role": "user", "content": "Hello!"}]
 
 

@@ -1,4 +1,4 @@
-"""async_bridge.py - blocking engines under an asyncio server.
+"""kit/bridge.py - blocking engines under an asyncio server.
 
 The engines are plain Python: `generate` blocks for seconds and `generate_stream` is a
 blocking iterator. The server is asyncio: one event loop serves every connection. These
@@ -21,9 +21,9 @@ import anyio
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from openai_api import APIError
+from kit.openai_api import APIError
 
-cpu_threads = importlib.import_module("cpu_threads")
+from kit import threads as cpu_threads
 
 
 # --8<-- [start:run-ahead]

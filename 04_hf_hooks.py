@@ -1,4 +1,4 @@
-"""hf_hooks.py - the hooks that make Hugging Face's `generate` serve Chapter 1's contract.
+"""04_hf_hooks.py - the hooks that make Hugging Face's `generate` serve Chapter 1's contract.
 
 `BaselineEngine` hands the whole token loop to `model.generate`. These small classes plug
 into the extension points it offers (logits processors, a streamer, stopping criteria), so
@@ -105,3 +105,32 @@ class StopTextCriteria(StoppingCriteria):
         for token_id in input_ids[0, self.n_prompt + len(self.detok.ids):].tolist():
             self.detok.add(token_id)
         return torch.full((input_ids.shape[0],), self.detok.stopped, dtype=torch.bool, device=input_ids.device)
+
+
+def main() -> None:
+    """The hooks on HF's generate directly: a presence penalty, raw log-probabilities, a stream."""
+    import argparse
+
+    setup = importlib.import_module("01_setup")
+    parser = argparse.ArgumentParser(description="HF generate with the hooks that serve SamplingParams.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="The three primary colours are")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    args = parser.parse_args()
+    tokenizer, model = setup.load_model(args.model, "cpu", torch.float32)
+    params = SamplingParams(presence_penalty=1.5, logprobs=2)
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    recorder = RawLogprobs(params.logprobs)
+    streamer = TokenQueueStreamer(recorder)
+    with torch.no_grad():
+        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                       max_new_tokens=args.max_new_tokens, streamer=streamer,
+                       logits_processor=[recorder, OutputPenalties(params, input_ids.shape[1])])
+    print(f"[Prompt] {args.prompt!r}  (greedy, presence_penalty={params.presence_penalty})")
+    for entry in streamer.logprobs:   # generate() has finished: every token and its entry are recorded
+        top = ", ".join(f"{tokenizer.decode([t])!r} {lp:.2f}" for t, lp in entry.top)
+        print(f"  {tokenizer.decode([entry.token_id])!r:>14}  logprob {entry.logprob:6.2f}   top: {top}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""cli_args.py - argparse types for the scripts' flags: a bad value is refused before any work.
+"""kit/cli.py - argparse types for the scripts' flags: a bad value is refused before any work.
 
 An instructor types these flags live. A negative count, a NaN rate or a plot path in a folder
 that does not exist should fail at once, in one line naming the flag, not with a traceback

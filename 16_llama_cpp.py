@@ -1,4 +1,4 @@
-"""llama_cpp_anchor.py - llama.cpp behind our engine interface, as a yardstick (optional).
+"""16_llama_cpp.py - llama.cpp behind our engine interface, as a yardstick (optional).
 
 Chapter 12 compares our int4 engine with llama.cpp running this model's own Q4_1 GGUF file,
 whose whole forward pass is hand-written C. llama-cpp-python compiles llama.cpp from source
@@ -23,6 +23,7 @@ engine04 = importlib.import_module("04_engine")
 contracts = importlib.import_module("03_contracts")
 
 
+# --8<-- [start:anchor]
 class LlamaCppEngine(engine04.BaseOfflineEngine):
     """Greedy decoding only: an anchor for speed, not a server engine."""
 
@@ -65,3 +66,34 @@ class LlamaCppEngine(engine04.BaseOfflineEngine):
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int, params=None) -> list[contracts.GenerateResult]:
         return [self.generate(p, max_new_tokens, params) for p in prompts]
+# --8<-- [end:anchor]
+
+
+def main() -> None:
+    """Run the anchor once on a GGUF file, with 04_engine's flags and output."""
+    import argparse
+
+    import torch
+    from transformers import AutoTokenizer
+
+    setup = importlib.import_module("01_setup")
+    parser = argparse.ArgumentParser(description="llama.cpp on a GGUF file, behind our engine interface.")
+    parser.add_argument("gguf", help="the model's GGUF file (see this file's docstring for where to get it)")
+    parser.add_argument("--model", default=None, help="the HF folder whose tokenizer matches the GGUF")
+    parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(setup.resolve_model(args.model))
+        engine = LlamaCppEngine(args.gguf, tokenizer, torch.get_num_threads())
+        prompt = engine04.render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+        result = engine.generate(prompt, args.max_new_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(f"[Prompt]\n  {args.prompt}\n\n[Output]\n  {result.text.strip()}\n\n[Metrics]")
+    for name, value in result.metrics.as_dict().items():
+        print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""server_process.py - 05_server.py as a process of its own, for benchmarks, end-to-end tests and the book.
+"""kit/launcher.py - 05_server.py as a process of its own, for benchmarks, end-to-end tests and the book.
 
 A server measured from inside its own process shares the interpreter (and its GIL) with
 the client; the numbers a user sees come from a separate process over a real socket.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-SERVER_SCRIPT = Path(__file__).resolve().parent / "05_server.py"
+SERVER_SCRIPT = Path(__file__).resolve().parent.parent / "05_server.py"
 
 
 def free_port() -> int:

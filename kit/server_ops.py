@@ -1,4 +1,4 @@
-"""server_ops.py - the server's production face, kept out of 05_server.py's API logic.
+"""kit/server_ops.py - the server's production face, kept out of 05_server.py's API logic.
 
 What every production server (vLLM, TGI, llama.cpp's server) adds around its API, here
 in one place that `make_app` installs with one call:
@@ -39,7 +39,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 RATE_WINDOW_S = 5.0          # "tokens/s over the last seconds" on the page and in /engine/stats
 MAX_OBSERVED_BODY = 1 << 20  # a non-streamed reply is parsed for its usage only up to this size

@@ -1,4 +1,4 @@
-"""openai_api.py - OpenAI's HTTP API as data: what a request may say, and how answers and errors look.
+"""kit/openai_api.py - OpenAI's HTTP API as data: what a request may say, and how answers and errors look.
 
 05_server.py keeps the serving (the queue, the engine's stream, the endpoints); this file
 keeps the wire format, which is the same for every engine:
@@ -13,7 +13,6 @@ keeps the wire format, which is the same for every engine:
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-SamplingParams = importlib.import_module("03_contracts").SamplingParams
 
 log = logging.getLogger("05_server")
 MAX_PROMPTS = 64   # prompts in one /v1/completions request: a list is work for many requests
@@ -210,7 +208,9 @@ def install_error_handlers(app: FastAPI) -> None:
 # --8<-- [end:errors]
 
 
-def sampling_params(req: SamplingFields) -> SamplingParams:
+def sampling_params(req: SamplingFields, params_class: type):
+    """The request's sampling fields as the engine's SamplingParams (03_contracts, passed in by the server:
+    this package imports no chapter script)."""
     if isinstance(req, ChatRequest):
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -226,7 +226,7 @@ def sampling_params(req: SamplingFields) -> SamplingParams:
     bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
     off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     try:
-        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        return params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
                               logit_bias=bias, logprobs=logprobs,
                               **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
