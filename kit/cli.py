@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
@@ -70,3 +71,58 @@ def _range(low, high) -> str:
     if low is not None and high is not None:
         return f"between {low:g} and {high:g}"
     return f"at least {low:g}" if low is not None else f"at most {high:g}"
+
+
+def parse_bytes(text: str) -> int:
+    """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (try 512MB or 2GB)")
+    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    if not 1 <= value <= 1 << 40:
+        raise ValueError(f"memory size {text!r} is out of range (1 byte .. 1 TiB)")
+    return int(value)
+
+
+def byte_size(text: str) -> int:
+    """parse_bytes as an argparse type."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --8<-- [start:engine-options]
+# Every feature of the assembled engine is one keyword of its constructor, and the same name
+# as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...).
+QUANT_FORMATS = ("bf16", "int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)
+QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
+ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_memory", "block_size",
+                  "max_num_seqs", "max_num_batched_tokens")
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine's switches as flags. Left out, a flag is not passed at all, so every engine
+    keeps its own default, and an engine that lacks the feature is only asked when it is named."""
+    g = parser.add_argument_group("engine features (the engine's constructor keywords of the same names)")
+    g.add_argument("--quant", choices=QUANT_FORMATS, default=None,
+                   help="weight format (Chapter 12); default: the model's float32")
+    g.add_argument("--group-size", type=integer(), choices=GROUP_SIZES, default=None,
+                   help="int4: inputs per scale and zero point (default 32)")
+    g.add_argument("--quant-head", choices=QUANT_HEADS, default=None,
+                   help="format of the embedding/LM head (default auto: the layers', int8 for int4)")
+    g.add_argument("--prefix-caching", action="store_true", default=None,
+                   help="share the KV blocks of prompt prefixes seen before (Chapter 8)")
+    g.add_argument("--kv-memory", type=byte_size, default=None, help="KV pool size, e.g. 512MB (Chapter 7)")
+    g.add_argument("--block-size", type=integer(1, 1024), default=None, help="tokens per KV block (Chapter 7)")
+    g.add_argument("--max-num-seqs", type=integer(1, 65536), default=None,
+                   help="sequences in one step, at most (Chapter 9)")
+    g.add_argument("--max-num-batched-tokens", type=integer(1, 65536), default=None,
+                   help="tokens in one step, at most (Chapter 9)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine keywords given on the command line (only those given)."""
+    return {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
+# --8<-- [end:engine-options]
