@@ -23,6 +23,12 @@ times (a Poisson process, R per second on average), like independent users would
 own max_tokens). Besides throughput, goodput: the share and the rate of requests that met
 a service-level objective, first token within `--slo-ttft-ms` (default 1000) and, if
 given, later tokens `--slo-tpot-ms` apart. Several servers run side by side, measured in turn.
+
+The engine's feature flags (`--quant`, `--prefix-caching`, `--kv-memory`, `--max-num-seqs`, ...)
+are passed on to every server launched, as 05_server.py's own flags of the same names.
+
+    python 06_benchmark_online.py --workload mixed --concurrency 32 --runs 1 --ignore-eos \\
+        --engine 13_continuous_batching:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
 """
 
 from __future__ import annotations
@@ -41,18 +47,20 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-offline = importlib.import_module("06_benchmark_offline")  # one definition of the statistics
-launcher = importlib.import_module("kit.launcher")      # ... and of launching the server
-from kit import cli
-setup = offline.setup
-RequestRecord = offline.RequestRecord
+setup = importlib.import_module("01_setup")
+from kit import bench, cli, launcher   # flags and statistics shared with the offline benchmark
+from kit.bench import RequestRecord
+from kit.workloads import load_prompts, mixed_workload
 
 
 @contextlib.contextmanager
-def launched_server(spec: str, model: str | None, device: str | None, timeout_s: float) -> Iterator[str]:
-    """Run 05_server.py with this engine until the block ends, however it ends (Ctrl-C included)."""
+def launched_server(spec: str, model: str | None, device: str | None, timeout_s: float,
+                    engine_options: dict | None = None) -> Iterator[str]:
+    """Run 05_server.py with this engine until the block ends, however it ends (Ctrl-C included).
+    engine_options (kit.cli.engine_options) become the server's own flags of the same names."""
     print(f"[server] starting {spec} ...", flush=True)
-    with launcher.serve_in_subprocess(model, spec, device, startup_timeout_s=timeout_s) as url:
+    with launcher.serve_in_subprocess(model, spec, device, startup_timeout_s=timeout_s,
+                                      engine_options=engine_options) as url:
         print(f"[server] ready on {url}", flush=True)
         yield url
 
@@ -186,12 +194,12 @@ def workload(args) -> list[tuple[dict, int]]:
     """(prompt, max_tokens) pairs: the committed prompts with one budget, or the mixed workload
     as plain-text completions, each with its own budget (tokenized with --model's tokenizer)."""
     if args.workload == "prompts":
-        return [(p, args.max_new_tokens) for p in offline.load_prompts(args.prompts, args.num_prompts)]
+        return [(p, args.max_new_tokens) for p in load_prompts(args.prompts, args.num_prompts)]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(setup.resolve_model(args.model))
     return [({"text": w.prompt}, w.max_new_tokens)
-            for w in offline.mixed_workload(tokenizer, args.num_prompts or 32, args.seed)]
+            for w in mixed_workload(tokenizer, args.num_prompts or 32, args.seed)]
 
 
 async def model_id(client: httpx.AsyncClient, args) -> str:
@@ -215,7 +223,7 @@ async def measure(url: str, args, requests: list[tuple[dict, int]], warmup: int,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Online benchmark: an OpenAI-compatible server over HTTP.")
-    offline.common_args(parser)
+    bench.common_args(parser)
     parser.add_argument("--url", action="append", help="measure this running server instead of launching "
                         "05_server.py (repeat it to compare servers)")
     parser.add_argument("--runs", type=cli.integer(1, 1000), default=2, help="passes over the prompt set (as offline)")
@@ -234,13 +242,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds to wait for /health")
     parser.add_argument("--device", default=None, help="passed on to 05_server.py")
     args = parser.parse_args(argv)
-    offline.check_common(parser, args)
+    bench.check_common(parser, args)
     if args.url and args.engine:
         parser.error("give --url (servers already running) or --engine (servers to launch), not both")
+    options = cli.engine_options(args)
+    if args.url and options:   # a running server keeps the features it was started with
+        parser.error("engine flags (--quant, --kv-memory, ...) configure the servers launched here: "
+                     "drop them with --url")
 
     specs = args.engine or ["04_engine:BaselineEngine"]
     targets = args.url or specs
-    labels = args.url or offline.engine_labels(specs)
+    labels = args.url or bench.engine_labels(specs)
     try:
         requests = workload(args)
     except ValueError as exc:
@@ -250,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                  desc="requests", file=sys.stderr, disable=None) as bar:
         try:   # every server up at once (idle ones cost memory, not time), so runs can alternate
             urls = [servers.enter_context(contextlib.nullcontext(t) if args.url else
-                                          launched_server(t, args.model, args.device, args.startup_timeout))
+                                          launched_server(t, args.model, args.device, args.startup_timeout, options))
                     for t in targets]
             for run in range(args.runs):
                 for i, url in enumerate(urls):   # one server at a time, alternating, as offline
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(130) from None
         except RuntimeError as exc:   # a server that did not come up: its own last lines say why
             raise SystemExit(f"error: {exc}") from None
-    all_stats = [offline.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, all_records, seconds)]
+    all_stats = [bench.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, all_records, seconds)]
 
     mode = ("sequential" if not (args.concurrency or args.request_rate) else
             ", ".join(filter(None, [args.concurrency and f"concurrency {args.concurrency}",
@@ -272,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     title = (f"Online benchmark: {len(requests)} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
              f" x {args.runs} runs, {mode}, {'plain' if args.no_stream else 'streamed'}, {budget}"
              f"{', ignore_eos' if args.ignore_eos else ''}")
-    offline.print_table(title, all_stats)
+    bench.print_table(title, all_stats)
     for stats, records in zip(all_stats, all_records):
         if stats.failed:
             first_error = next(r.error for r in records if r.error)
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_goodput(labels, goods, slo)
     config = {**vars(args), "engine": None if args.url else specs, "targets": targets, "mode": mode,
               "slo": slo, "goodput": dict(zip(labels, goods))}
-    offline.save_outputs(args, config, all_stats, all_records, title)
+    bench.save_outputs(args, config, all_stats, all_records, title)
     return {"config": config, "stats": all_stats, "records": all_records, "goodput": goods}
 
 

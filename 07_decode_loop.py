@@ -25,6 +25,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,22 +40,122 @@ from kit import cli
 SamplingParams, GenerateResult = contracts.SamplingParams, contracts.GenerateResult
 
 
-@dataclass
-class Sequence:
-    """One request inside the loop: its budget, its own random stream, what it produced."""
+# --8<-- [start:request]
+@dataclass(eq=False)
+class Request:
+    """One request, from its prompt's token ids to its result: the one object that every engine,
+    the scheduler (Chapter 9) and the block manager (Chapter 7, by id) pass around."""
 
+    id: int
+    prompt_ids: list[int]
     params: SamplingParams
     budget: int                                   # new tokens it may produce
-    n_prompt: int
     detok: engine04.IncrementalDetokenizer        # text so far, and whether a stop string appeared
     generator: torch.Generator | None             # private seeded stream (None: torch's global one)
     new_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None              # None while still running
+    arrival: float = field(default_factory=time.perf_counter)   # TTFT and latency count from here
     t_first: float = 0.0                          # perf_counter() when its first token was ready
     t_last: float = 0.0                           # ... and its last one
     history: sampling.TokenHistory | None = None  # tokens seen, when a bias or penalty needs them
     logprobs: list | None = None                  # one TokenLogprob per new id, when asked for
     logprobs_sent: int = 0                        # how many of them a streamed piece carried already
+    # Where its keys and values stand (Chapters 7 to 9):
+    num_computed: int = 0                         # tokens whose K/V are in the cache
+    cached_tokens: int | None = None              # prompt tokens a prefix cache held (Chapter 8)
+    admitted: float | None = None                 # first time a scheduler ran it (Chapter 9)
+    preemptions: int = 0
+    sink: object = None                           # where an engine loop sends its text (live traffic)
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.new_ids)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens start .. start+n-1 of prompt + output."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.new_ids[start - p: start - p + n]
+        return (self.prompt_ids + self.new_ids)[start: start + n]
+# --8<-- [end:request]
+
+
+# --8<-- [start:sample]
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """One token id per row: Chapter 1's sampling, each row with its own generator.
+
+    Bias and penalties are applied to the whole batch first; log-probabilities are
+    read from the logits as the model gave them.
+    """
+    adjusted = sampling.adjust_logits(logits, [r.params for r in requests], [r.history for r in requests])
+    if all(r.params.is_greedy for r in requests):
+        tokens = sampling.greedy(adjusted).tolist()   # one argmax and one device sync for the batch
+    else:
+        tokens = [sampling.sample_next_token(row, r.params, r.generator) for row, r in zip(adjusted, requests)]
+    asking = [i for i, r in enumerate(requests) if r.logprobs is not None and r.finish_reason is None]
+    if asking:
+        entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
+                                          [requests[i].params.logprobs for i in asking])
+        for i, entry in zip(asking, entries):
+            requests[i].logprobs.append(entry)
+    return tokens
+# --8<-- [end:sample]
+
+
+class OutputProcessor:
+    """Token ids in, text and results out, the same for every engine from here on: it builds
+    requests, accepts each new token (detokenizer, stop strings, EOS, budget, logprobs, timings)
+    and turns a finished request into a GenerateResult."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], vocab_size: int, device):
+        self.tokenizer, self.eos_token_ids, self.vocab_size, self.device = tokenizer, eos_token_ids, vocab_size, device
+        self._ids = itertools.count()
+
+    def new_request(self, prompt_ids: list[int], params: SamplingParams, budget: int,
+                    arrival: float | None = None) -> Request:
+        params.check_vocab(self.vocab_size)
+        history = sampling.TokenHistory(prompt_ids, self.vocab_size, self.device) if params.adjusts_logits else None
+        return Request(next(self._ids), list(prompt_ids), params, budget,
+                       engine04.IncrementalDetokenizer(self.tokenizer, params.stop),
+                       sampling.make_generator(params.seed, self.device), history=history,
+                       logprobs=None if params.logprobs is None else [],
+                       **({} if arrival is None else {"arrival": arrival}))
+
+    # --8<-- [start:accept]
+    def accept(self, r: Request, token_id: int, now: float) -> str:
+        """Record one new token for one request; decide whether it is done; return its new text."""
+        r.new_ids.append(token_id)
+        r.t_first, r.t_last = r.t_first or now, now
+        if r.history is not None:
+            r.history.add(token_id)
+        piece = r.detok.add(token_id)
+        if r.detok.stopped or (token_id in self.eos_token_ids and not r.params.ignore_eos):
+            r.finish_reason = "stop"        # the EOS / stop-completing token stays in new_ids
+        elif len(r.new_ids) >= r.budget:
+            r.finish_reason = "length"
+        piece = piece + r.detok.flush() if r.finish_reason else piece
+        piece, r.logprobs_sent = engine04.attach_logprobs(piece, r.logprobs, r.logprobs_sent)
+        return piece
+    # --8<-- [end:accept]
+
+    # --8<-- [start:metrics]
+    def result(self, r: Request) -> GenerateResult:
+        """The result every engine returns, with the loop's own timings, counted from arrival."""
+        n = len(r.new_ids)
+        metrics = contracts.RequestMetrics(
+            throughput=n / max(r.t_last - r.arrival, 1e-9), input_tokens=r.n_prompt, output_tokens=n,
+            ttft_ms=(r.t_first - r.arrival) * 1e3,                          # arrival -> first token ready
+            tpot_ms=(r.t_last - r.t_first) / (n - 1) * 1e3 if n > 1 else None,   # mean gap after that
+            queue_ms=None if r.admitted is None else (r.admitted - r.arrival) * 1e3,
+            cached_tokens=r.cached_tokens)
+        return GenerateResult(text=r.detok.text, output_ids=list(r.new_ids), metrics=metrics,
+                              finish_reason=r.finish_reason or "length",
+                              logprobs=None if r.logprobs is None else list(r.logprobs[:n]))
+    # --8<-- [end:metrics]
 
 
 @functools.cache
@@ -69,6 +170,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32):
         super().__init__(model_name, device, dtype)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.vocab_size, self.device)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = cache_keyword(type(self.model))
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -95,73 +197,21 @@ class DecodeLoopEngine(engine04.BaselineEngine):
         return out.logits[:, -1, :]
     # --8<-- [end:decode-step]
 
-    # --8<-- [start:sample]
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token id per row: Chapter 1's sampling, each row with its own generator.
-
-        Bias and penalties are applied to the whole batch first; log-probabilities are
-        read from the logits as the model gave them.
-        """
-        adjusted = sampling.adjust_logits(logits, [s.params for s in seqs], [s.history for s in seqs])
-        if all(s.params.is_greedy for s in seqs):
-            tokens = sampling.greedy(adjusted).tolist()   # one argmax and one device sync for the batch
-        else:
-            tokens = [sampling.sample_next_token(row, s.params, s.generator) for row, s in zip(adjusted, seqs)]
-        asking = [i for i, s in enumerate(seqs) if s.logprobs is not None and s.finish_reason is None]
-        if asking:
-            entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
-                                              [seqs[i].params.logprobs for i in asking])
-            for i, entry in zip(asking, entries):
-                seqs[i].logprobs.append(entry)
-        return tokens
-    # --8<-- [end:sample]
-
-    def new_sequence(self, params: SamplingParams, budget: int, n_prompt: int,
-                     prompt_ids: list[int] | None = None) -> Sequence:
-        """A request's state in the loop. prompt_ids: only repetition_penalty needs them."""
-        params.check_vocab(self.vocab_size)
-        history = None
-        if params.adjusts_logits:
-            if prompt_ids is None and params.repetition_penalty != 1.0:
-                raise ValueError(f"{type(self).__name__} does not pass the prompt's token ids to new_sequence, "
-                                 "so it cannot apply repetition_penalty (which covers the prompt)")
-            history = sampling.TokenHistory(prompt_ids or [], self.vocab_size, self.device)
-        return Sequence(params, budget, n_prompt, engine04.IncrementalDetokenizer(self.tokenizer, params.stop),
-                        sampling.make_generator(params.seed, self.device), history=history,
-                        logprobs=None if params.logprobs is None else [])
-
-    # --8<-- [start:accept]
-    def accept(self, seq: Sequence, token_id: int, now: float) -> str:
-        """Record one new token for one row; decide whether that row is done; return its new text."""
-        seq.new_ids.append(token_id)
-        seq.t_first, seq.t_last = seq.t_first or now, now
-        if seq.history is not None:
-            seq.history.add(token_id)
-        piece = seq.detok.add(token_id)
-        if seq.detok.stopped or (token_id in self.eos_token_ids and not seq.params.ignore_eos):
-            seq.finish_reason = "stop"      # the EOS / stop-completing token stays in new_ids
-        elif len(seq.new_ids) >= seq.budget:
-            seq.finish_reason = "length"
-        piece = piece + seq.detok.flush() if seq.finish_reason else piece
-        piece, seq.logprobs_sent = engine04.attach_logprobs(piece, seq.logprobs, seq.logprobs_sent)
-        return piece
-    # --8<-- [end:accept]
-
     # --8<-- [start:loop]
     def decode_loop(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor, seqs: list[Sequence]) -> Iterator[list[str]]:
+                    position_ids: torch.Tensor, seqs: list[Request]) -> Iterator[list[str]]:
         """Prefill, then one decode step per token until every row is done.
 
-        Works on [batch, seq] tensors: row i of input_ids belongs to seqs[i]. attention_mask
+        Works on [batch, seq] tensors: row i of input_ids belongs to request seqs[i]. attention_mask
         is None when no row is padded. Yields, after every step, each row's new text piece
         ("" for a row that is already finished: it rides along until the batch is done).
         """
         logits, cache = self.prefill(input_ids, attention_mask, position_ids)
         next_position = position_ids[:, -1:] + 1
         while True:
-            tokens = self.sample(logits, seqs)
+            tokens = sample(logits, seqs)
             now = time.perf_counter()         # the token is ready: sample() synchronised the device
-            yield [self.accept(s, t, now) if s.finish_reason is None else "" for s, t in zip(seqs, tokens)]
+            yield [self.output.accept(s, t, now) if s.finish_reason is None else "" for s, t in zip(seqs, tokens)]
             if all(s.finish_reason for s in seqs):
                 return
             if attention_mask is not None:    # the new column is real for every row
@@ -170,16 +220,6 @@ class DecodeLoopEngine(engine04.BaselineEngine):
             logits = self.decode_step(step_ids, attention_mask, next_position, cache)
             next_position = next_position + 1
     # --8<-- [end:loop]
-
-    # --8<-- [start:metrics]
-    def result(self, seq: Sequence, t0: float) -> GenerateResult:
-        """BaselineEngine's result (same text, ids, finish_reason) plus the loop's own timings."""
-        res = self.finish(seq.new_ids, seq.params, seq.n_prompt, seq.t_last - t0, seq.detok, seq.logprobs)
-        res.metrics.ttft_ms = (seq.t_first - t0) * 1e3            # call start -> first token ready
-        if len(seq.new_ids) > 1:                                  # mean gap between later tokens
-            res.metrics.tpot_ms = (seq.t_last - seq.t_first) / (len(seq.new_ids) - 1) * 1e3
-        return res
-    # --8<-- [end:metrics]
 
     # --8<-- [start:stream]
     def generate_stream(self, prompt: str, max_new_tokens: int,
@@ -193,13 +233,13 @@ class DecodeLoopEngine(engine04.BaselineEngine):
         params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         input_ids = self.encode(prompt, budget)
-        seq = self.new_sequence(params, budget, input_ids.shape[1], input_ids[0].tolist())
+        request = self.output.new_request(input_ids[0].tolist(), params, budget, arrival=t0)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        with contextlib.closing(self.decode_loop(input_ids, None, positions, [seq])) as loop:
+        with contextlib.closing(self.decode_loop(input_ids, None, positions, [request])) as loop:
             for (piece,) in loop:
                 if piece:
                     yield piece
-        yield self.result(seq, t0)
+        yield self.output.result(request)
 
     def generate(self, prompt: str, max_new_tokens: int,
                  params: SamplingParams | None = None) -> GenerateResult:

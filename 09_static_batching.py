@@ -78,11 +78,11 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
         results = []
         for start in range(0, len(encoded), self.max_batch_size):
             chunk = encoded[start: start + self.max_batch_size]
-            seqs = [self.new_sequence(params, budget, ids.shape[1], ids[0].tolist()) for ids in chunk]
-            for _ in self.decode_loop(*self.left_pad(chunk), seqs):
+            requests = [self.output.new_request(ids[0].tolist(), params, budget, arrival=t0) for ids in chunk]
+            for _ in self.decode_loop(*self.left_pad(chunk), requests):
                 pass                       # per-row stopping happens inside the loop (accept)
             # Each row reports its own ids, finish_reason and timings (its last token's time).
-            results += [self.result(s, t0) for s in seqs]
+            results += [self.output.result(r) for r in requests]
         return results
     # --8<-- [end:generate-batch]
 

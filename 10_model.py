@@ -19,10 +19,11 @@ Two choices make it an engine's model rather than a research model:
 
 Weights come from `config.json` and `model.safetensors` via the safetensors package;
 transformers only supplies the tokenizer (and is the reference we check against).
-The engine (`ModelEngine`) lives in `10_model_engine.py`, the profiler in `10_profile.py`.
+The model runner (one step: prepare -> forward -> sample) is `10_model_runner.py`, the
+engine `10_model_engine.py`, the profiler `10_profile.py`.
 
-    python 10_model.py                  # the demo: shape, the usual answer, logits vs HF
-    python 10_model.py --profile        # where one decode step's time goes
+    python 10_model.py                  # the model's shape, a greedy answer, our logits vs HF's
+    python 10_profile.py                # where one decode step's time goes
 """
 
 from __future__ import annotations
@@ -172,6 +173,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def batch(self, new_tokens: list[list[int]], rows: list[int], starts: list[int], device) -> RaggedBatch:
+        """The ragged batch of these new tokens, sequence i in row rows[i] (the model runner asks)."""
+        return RaggedBatch.build(new_tokens, rows, starts, self.max_len, device)
 
     def context(self, layer: int, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each batch sequence's cached keys and values up to the longest context:
@@ -413,14 +418,52 @@ class LlamaModel:
     # --8<-- [end:forward]
 
 
-def __getattr__(name: str):
-    """`10_model:ModelEngine` works as an engine spec: the engine lives in 10_model_engine.py."""
-    if name == "ModelEngine":
-        import importlib
-        return importlib.import_module("10_model_engine").ModelEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ---------------------------------------------------------------- the demonstration
+@torch.inference_mode()
+def compare_logits(model: LlamaModel, hf_model, ids: list[int], steps: int = 8) -> tuple[list[int], float, float]:
+    """Greedy tokens through our model and its cache, and max |ours - HF| over the prompt's prefill
+    logits and over `steps` decode steps (HF sees the whole sequence at once: no cache at all)."""
+    n, cache = len(ids), model.new_cache(1, len(ids) + steps)
+    ours = [model.forward(RaggedBatch.build([ids], [0], [0], n + steps, model.device), cache, all_logits=True)]
+    tokens = [int(ours[0][-1].argmax())]
+    for t in range(steps - 1):      # then one token at a time, through our cache
+        ours.append(model.forward(RaggedBatch.build([[tokens[-1]]], [0], [n + t], n + steps, model.device), cache))
+        tokens.append(int(ours[-1][-1].argmax()))
+    ours = torch.cat(ours)
+    full = torch.tensor([ids + tokens[:-1]], device=model.device)
+    reference = hf_model(full).logits[0].float()
+    return tokens, float((ours[:n] - reference[:n]).abs().max()), float((ours[n:] - reference[n:]).abs().max())
+
+
+def main() -> None:
+    import argparse
+    import importlib
+
+    setup = importlib.import_module("01_setup")
+    parser = argparse.ArgumentParser(description="Chapter 6: our Llama forward pass, checked against HF's.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="The capital of France is")
+    args = parser.parse_args()
+    folder = setup.resolve_model(args.model)
+    try:
+        tokenizer, hf = setup.load_model(str(folder), "cpu", torch.float32)
+        model = LlamaModel.from_folder(folder)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    m, c = model, model.config
+    print(f"[Model]  {c.num_layers} layers, {c.num_heads} heads, {c.num_kv_heads} KV heads, head_dim "
+          f"{c.head_dim}, hidden {c.hidden_size}, MLP {c.intermediate_size}, vocab {c.vocab_size}")
+    print(f"  {m.num_parameters / 1e6:.1f} M parameters, {m.weight_bytes / 1e6:.0f} MB of "
+          f"{str(m.dtype).removeprefix('torch.')} weights (LM head tied: {c.tie_word_embeddings})")
+    per_token, cache = c.kv_bytes_per_token(m.dtype), m.new_cache(1, 1000)
+    print(f"  KV cache: 2 x {c.num_layers} x {c.num_kv_heads} x {c.head_dim} x "
+          f"{torch.empty((), dtype=m.dtype).element_size()} bytes = {per_token:,} bytes/token; "
+          f"allocated for 1,000 tokens: {cache.nbytes:,} bytes -> {cache.nbytes // 1000:,}/token")
+    tokens, prefill_diff, decode_diff = compare_logits(model, hf, tokenizer(args.prompt).input_ids)
+    print(f"\n[Greedy, our forward]  {args.prompt!r} -> {tokenizer.decode(tokens)!r}")
+    print(f"[Logits vs HF, same tokens]  max |ours - HF|: prefill {prefill_diff:.2e}, "
+          f"{len(tokens)} decode steps {decode_diff:.2e}")
 
 
 if __name__ == "__main__":
-    import importlib
-    importlib.import_module("10_model_engine").main()
+    main()

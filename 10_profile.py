@@ -13,7 +13,7 @@ real decode steps of `ModelEngine` (its forward's optional `timer` hook):
     sampling    choosing the token (argmax here)
     overhead    everything else in the step: building the batch, Python, the loop
 
-    python 10_model.py --profile --plot ch6-profile.png
+    python 10_profile.py --plot ch6-profile.png
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from collections import defaultdict
 
 import torch
 
+from kit import cli
+
 engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
+engine10 = importlib.import_module("10_model_engine")
 PARTS = ("embedding", "attention", "mlp", "lm_head", "sampling", "overhead")
 
 
@@ -154,6 +157,24 @@ def plot_profile(table: dict, path: str) -> None:
     print(f"[plot] {path}")
 
 
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Chapter 6: where one decode step's time goes, against the floors.")
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None, help="save a bar chart")
+    engine04.add_threads_flag(parser)
+    args = parser.parse_args()
+    try:
+        engine = engine10.ModelEngine(args.model, device=args.device)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    table = profile_decode(engine)
+    print_profile(table)
+    if args.plot:
+        plot_profile(table, args.plot)
+
+
 if __name__ == "__main__":
-    # A module of Chapter 6's tools; its demonstration is the model's own script.
-    print("10_profile.py is used by 10_model.py: run  python 10_model.py --profile [--plot ch6-profile.png]")
+    main()

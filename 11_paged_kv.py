@@ -18,8 +18,9 @@ table. The model's forward is unchanged: it only asks the cache for each sequenc
 which here means copying the sequence's blocks into the rectangle SDPA wants (a GPU
 paged-attention kernel reads them where they lie instead).
 
-    python 11_paged_kv.py                       # capacity: contiguous vs paged, live block tables
-    python 11_paged_kv.py --plot ch7-paged.png  # the same as a picture for the book
+    python 11_paged_kv.py                            # a block manager walked by hand
+    python 11_paged_kv_demo.py                       # capacity: contiguous vs paged, live block tables
+    python 11_paged_kv_demo.py --plot ch7-paged.png  # the same as a picture for the book
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def batch(self, new_tokens: list[list[int]], tables: list[list[int]], starts: list[int], device) -> PagedBatch:
+        """The batch of these new tokens, sequence i's K/V in the blocks of tables[i] (the model runner asks)."""
+        return PagedBatch.from_tables(new_tokens, tables, starts, self.block_size, device)
     # --8<-- [end:pool]
 
     # --8<-- [start:context]
@@ -148,6 +153,8 @@ class PagedBatch(model10.RaggedBatch):
 class BlockManager:
     """Which pool block belongs to whom. Pure bookkeeping: it never touches a tensor."""
 
+    caches_prefixes = False    # Chapter 8's manager also finds blocks computed for earlier prompts
+
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a block manager needs num_blocks >= 1 and block_size >= 1, "
@@ -202,6 +209,16 @@ class BlockManager:
         self.tables[seq_id], self.lengths[seq_id] = table, num_tokens
         return table
 
+    def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
+        """Blocks for a new sequence's known tokens; returns how many of them already have their K/V:
+        none here. Chapter 8's prefix cache finds a cached prefix and returns its length."""
+        self.allocate(seq_id, len(tokens))
+        return 0
+
+    def cache_computed(self, seq_id: int, tokens: list[int]) -> None:
+        """The sequence's first len(tokens) tokens now have K/V. Nothing to remember here;
+        Chapter 8's prefix cache makes the full blocks among them findable."""
+
     def append_slot(self, seq_id: int) -> int:
         """Room for one more token; a new block only when the last one is full. Returns its slot."""
         table, n = self.tables[self._known(seq_id)], self.lengths[seq_id]
@@ -221,15 +238,32 @@ class BlockManager:
 # --8<-- [end:block-manager]
 
 
-def __getattr__(name: str):
-    """The engine and the demonstration live next door, to keep this file the chapter's core:
-    `11_paged_kv:PagedEngine` still works as an engine spec."""
-    if name == "PagedEngine":
-        return importlib.import_module("11_paged_kv_engine").PagedEngine
-    if name == "main":
-        return importlib.import_module("11_paged_kv_demo").main
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def main() -> None:
+    """A block manager walked by hand: no model, only the bookkeeping."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Chapter 7: blocks and block tables, by hand. "
+                                                 "Capacity and live tables on the model: python 11_paged_kv_demo.py")
+    parser.add_argument("--block-size", type=int, default=4)
+    args = parser.parse_args()
+    blocks = BlockManager(num_blocks=8, block_size=args.block_size)
+    show = lambda what: print(f"  {what:<34} tables {blocks.tables}  free {list(blocks.free_blocks)}")  # noqa: E731
+    print(f"[a pool of 8 blocks x {args.block_size} tokens]")
+    blocks.allocate_prompt(0, list(range(6)))
+    show("sequence 0: a 6-token prompt")
+    blocks.allocate_prompt(1, list(range(3)))
+    show("sequence 1: a 3-token prompt")
+    for _ in range(3):
+        blocks.append_slot(0)
+    show("sequence 0: 3 decode steps")
+    blocks.free(1)
+    show("sequence 1 finishes")
+    blocks.allocate_prompt(2, list(range(9)))
+    show("sequence 2: a 9-token prompt")
+    slot = blocks.append_slot(2)
+    print(f"  sequence 2's next token goes to slot {slot} "
+          f"(block {slot // args.block_size}, offset {slot % args.block_size})")
 
 
 if __name__ == "__main__":
-    importlib.import_module("11_paged_kv_demo").main()
+    main()

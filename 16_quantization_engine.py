@@ -1,7 +1,12 @@
 """16_quantization_engine.py - Chapter 12's engines: Chapter 6's engine on quantised weights.
 
-    python 05_server.py --engine 16_quantization:Int4Engine
-    ENGINE_QUANT=int4 ENGINE_GROUP_SIZE=32 ENGINE_QUANT_HEAD=int4 python 05_server.py --engine 16_quantization:QuantizedEngine
+A weight format is not a new engine: it is a different model handed to the same model
+runner (`quant=` on any engine from Chapter 6 on). These classes only pin a format, so
+that an `--engine` spec can name one:
+
+    python 16_quantization_engine.py --quant int4          # one prompt, as 04_engine.py
+    python 05_server.py --engine 16_quantization_engine:Int4Engine
+    ENGINE_QUANT=int4 ENGINE_GROUP_SIZE=32 ENGINE_QUANT_HEAD=int4 python 05_server.py --engine 16_quantization_engine:QuantizedEngine
 """
 
 from __future__ import annotations
@@ -11,33 +16,31 @@ import os
 
 import torch
 
+from kit import cli
+
+engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
-quant16 = importlib.import_module("16_quantization")
 
 
 # --8<-- [start:engine]
 class QuantizedEngine(engine10.ModelEngine):
-    """Chapter 6's engine on a quantised model. 05_server and 06_benchmark build engines as
-    Class(model, device=...), so the mode can also come from ENGINE_QUANT (default int8),
-    ENGINE_GROUP_SIZE (default 32) and ENGINE_QUANT_HEAD (auto, f32, int8 or int4; default auto)."""
+    """Chapter 6's engine on a quantised model. The mode can also come from ENGINE_QUANT (default
+    int8), ENGINE_GROUP_SIZE (default 32) and ENGINE_QUANT_HEAD (default auto), for servers and
+    benchmarks started with nothing but an engine spec."""
 
     default_quant: str | None = None   # subclasses below pin a mode for `--engine` specs
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32,
+                 dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
                  kv_memory: int = engine10.DEFAULT_KV_MEMORY, quant: str | None = None,
-                 group_size: int | None = None, head: str | None = None, path: str = "fast"):
+                 group_size: int | None = None, quant_head: str | None = None):
         quant = quant or self.default_quant or os.environ.get("ENGINE_QUANT", "int8")
         try:
             group_size = int(group_size or os.environ.get("ENGINE_GROUP_SIZE", 32))
         except ValueError:
             raise ValueError(f"ENGINE_GROUP_SIZE must be an integer, got {os.environ['ENGINE_GROUP_SIZE']!r}")
-        head = head or os.environ.get("ENGINE_QUANT_HEAD", "auto")
-        quant16.check_settings(quant, group_size, head)   # refuse bad settings before loading anything
-        super().__init__(model_name, device, dtype, max_batch_size, kv_memory)
-        self.model = quant16.QuantizedModel.from_model(self.model, quant, group_size, head, path)
-        self.quant = quant16.describe(quant, group_size, head)
-        print(f"[engine] weights: {self.quant}, {self.model.weight_bytes / 1e6:.0f} MB", flush=True)
+        quant_head = quant_head or os.environ.get("ENGINE_QUANT_HEAD", "auto")
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, quant, group_size, quant_head)
 # --8<-- [end:engine]
 
 
@@ -51,3 +54,14 @@ class Int8Engine(QuantizedEngine):
 
 class Int4Engine(QuantizedEngine):
     default_quant = "int4"
+
+
+def main() -> None:
+    parser = engine04.demo_parser("Chapter 12: Chapter 6's engine on quantised weights (default int8).")
+    cli.add_engine_options(parser, only=("quant", "group_size", "quant_head", "kv_memory", "max_num_seqs"))
+    args = parser.parse_args()
+    engine04.demo(QuantizedEngine, args, **cli.engine_options(args))
+
+
+if __name__ == "__main__":
+    main()

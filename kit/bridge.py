@@ -5,25 +5,25 @@ blocking iterator. The server is asyncio: one event loop serves every connection
 three helpers join the two without stalling the loop or leaking work:
 
 - `run_ahead` drives a blocking iterator from its own thread, a token ahead of the sender;
+- `in_thread` runs one blocking call, and lets a cancellation through only once it is over;
 - `until_disconnected` cancels a request's work when its client hangs up;
-- `all_or_nothing` runs several answers together and drops all of them if one fails.
+- `all_or_nothing` awaits several answers together and drops all of them if one fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
+import inspect
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from kit.openai_api import APIError
-
 from kit import threads as cpu_threads
+from kit.openai_api import APIError
 
 
 # --8<-- [start:run-ahead]
@@ -57,22 +57,45 @@ async def run_ahead(items: Iterator) -> AsyncIterator:
             yield value
     finally:
         stop.set()
-        cancel = getattr(items, "cancel", None)
-        if cancel is not None:   # a stream that can be stopped from here: do not wait for its next token
-            cancel()
+        # A generator cannot be closed while its thread runs it, but a stream object (Chapter 9's
+        # RequestStream) can, from any thread: the request stops now, not after its next token.
+        if not inspect.isgenerator(items):
+            items.close()
         with anyio.CancelScope(shield=True):   # a cancellation must not skip the clean-up
             await run_in_threadpool(producer.join)
 # --8<-- [end:run-ahead]
 
 
+# --8<-- [start:in-thread]
+async def in_thread(fn: Callable, *args):
+    """fn(*args) in a worker thread, so that the event loop keeps serving meanwhile.
+
+    A thread cannot be stopped from outside. When the caller is cancelled (its client hung
+    up, or it ran past --request-timeout), asyncio would stop waiting at once while the
+    thread computes on; whoever then took the engine's turn would start a second generation
+    beside the first. So the cancellation waits for the thread, and only then goes on.
+    """
+    call = asyncio.ensure_future(run_in_threadpool(fn, *args))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({call})
+        raise
+# --8<-- [end:in-thread]
+
+
 async def all_or_nothing(awaitables) -> list:
-    """asyncio.gather, except that the first failure cancels the others: their answer is not sent."""
+    """asyncio.gather, except that the first failure cancels the others (their answer is not
+    sent), and that it returns only once they are over, their clean-up included."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(tasks)
         raise
 
 

@@ -102,10 +102,12 @@ ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_mem
                   "max_num_seqs", "max_num_batched_tokens")
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
     """The engine's switches as flags. Left out, a flag is not passed at all, so every engine
-    keeps its own default, and an engine that lacks the feature is only asked when it is named."""
-    g = parser.add_argument_group("engine features (the engine's constructor keywords of the same names)")
+    keeps its own default, and an engine that lacks the feature is only asked when it is named.
+    `only`: the features a script's own engine has (its other flags are not offered)."""
+    g = _OnlyGroup(parser.add_argument_group("engine features (the engine's constructor keywords of the same names)"),
+                   only)
     g.add_argument("--quant", choices=QUANT_FORMATS, default=None,
                    help="weight format (Chapter 12); default: the model's float32")
     g.add_argument("--group-size", type=integer(), choices=GROUP_SIZES, default=None,
@@ -120,6 +122,17 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                    help="sequences in one step, at most (Chapter 9)")
     g.add_argument("--max-num-batched-tokens", type=integer(1, 65536), default=None,
                    help="tokens in one step, at most (Chapter 9)")
+
+
+class _OnlyGroup:
+    """An argument group that adds only the named options."""
+
+    def __init__(self, group, only: tuple[str, ...]):
+        self.group, self.only = group, only
+
+    def add_argument(self, flag: str, **kwargs) -> None:
+        if flag.removeprefix("--").replace("-", "_") in self.only:
+            self.group.add_argument(flag, **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -28,21 +28,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_command(port: int, model: str | None = None, engine: str | None = None, device: str | None = None,
+                   engine_options: dict | None = None, args: tuple[str, ...] = ()) -> list[str]:
+    """The command line of 05_server.py. Engine options are the constructor keywords of
+    kit.cli.engine_options, turned back into the flags they came from (kv_memory=268435456 ->
+    --kv-memory 268435456, prefix_caching=True -> --prefix-caching)."""
+    cmd = [sys.executable, str(SERVER_SCRIPT), "--host", "127.0.0.1", "--port", str(port)]
+    for flag, value in (("--engine", engine), ("--model", model), ("--device", device)):
+        cmd += [flag, value] if value else []   # omitted: the server's own default
+    for name, value in (engine_options or {}).items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue                             # not given: the engine's own default, as on the command line
+        if value is False:                       # a switch flag can only turn a feature on: refuse, never ignore
+            raise ValueError(f"05_server.py's {flag} can only turn {name} on: leave it out for the engine's default")
+        cmd += [flag] if value is True else [flag, str(value)]
+    return cmd + list(args)
+
+
 # --8<-- [start:subprocess]
 @contextlib.contextmanager
 def serve_in_subprocess(model: str | None = None, engine: str | None = None, device: str | None = None,
                         startup_timeout_s: float = 180.0, env: dict | None = None,
-                        args: tuple[str, ...] = ()) -> Iterator[str]:
+                        args: tuple[str, ...] = (), engine_options: dict | None = None) -> Iterator[str]:
     """Run 05_server.py as its own process on a free loopback port; yield its base URL.
 
     Waits until /health answers, and stops the server when the block ends, however it
     ends (an exception, Ctrl-C). Benchmarks, end-to-end tests and the book all use it.
+    engine_options are the engine's feature keywords (kit.cli.engine_options), passed as flags.
     """
     port = free_port()
-    cmd = [sys.executable, str(SERVER_SCRIPT), "--host", "127.0.0.1", "--port", str(port)]
-    for flag, value in (("--engine", engine), ("--model", model), ("--device", device)):
-        cmd += [flag, value] if value else []   # omitted: the server's own default
-    cmd += list(args)
+    cmd = server_command(port, model, engine, device, engine_options, args)
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=SERVER_SCRIPT.parent,

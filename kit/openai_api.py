@@ -1,13 +1,13 @@
 """kit/openai_api.py - OpenAI's HTTP API as data: what a request may say, and how answers and errors look.
 
-05_server.py keeps the serving (the queue, the engine's stream, the endpoints); this file
+05_server.py keeps the serving (admission, the engine's stream, the endpoints); this file
 keeps the wire format, which is the same for every engine:
 
 - the request bodies, strict: a wrong type, a non-finite number or an out-of-range value is a
   400 naming the field, and an OpenAI field this server does not implement is refused, not ignored;
 - errors in OpenAI's JSON shape, with the right status, for every way a request can fail;
 - the mapping from a request's fields to `SamplingParams`;
-- the shapes of the answer: log-probabilities, streamed chunks, usage, Server-Sent Events;
+- the shapes of the answer: replies, log-probabilities, streamed chunks, usage, Server-Sent Events;
 - a cap on the request body's size, enforced while it arrives.
 """
 
@@ -88,13 +88,16 @@ MESSAGE_UNSUPPORTED = {"name": None, "tool_calls": (None, []), "tool_call_id": N
                        "audio": None}
 
 
-def check_fields(req: SamplingFields) -> None:
-    """Refuse what the request asks for that this server would otherwise ignore."""
+def check_request(req: SamplingFields, model_name: str) -> None:
+    """Refuse what the request asks for that this server would otherwise ignore, and other models."""
     refuse_unsupported(req.model_extra or {})
     if isinstance(req, CompletionRequest):
         refuse_unsupported(req.model_extra or {}, NOT_FOR_COMPLETIONS)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.model is not None and req.model != model_name:   # one server, one model, as at OpenAI
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
+                       param="model", code="model_not_found")
 
 
 def _unused(value, unused) -> bool:
@@ -321,6 +324,31 @@ def usage(results) -> dict:
     if cached:   # OpenAI's field; only engines with a prefix cache (Chapter 8) measure it
         out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
     return out
+
+
+def chat_completion(rid: str, created: int, model_name: str, result, tokenizer) -> dict:
+    """A chat answer; `metrics` (the engine's own measurements) is an extension of OpenAI's shape."""
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model_name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
+                     "finish_reason": result.finish_reason}],
+        "usage": usage([result]),
+        "metrics": result.metrics.as_dict(),
+    }
+
+
+def text_completion(rid: str, created: int, model_name: str, results: list, tokenizer, single: bool) -> dict:
+    """A completions answer: one choice per prompt; `metrics` is one dict for a single prompt, else a list."""
+    metrics = [r.metrics.as_dict() for r in results]
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model_name,
+        "choices": [{"index": i, "text": r.text,
+                     "logprobs": None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
+                     "finish_reason": r.finish_reason} for i, r in enumerate(results)],
+        "usage": usage(results),
+        "metrics": metrics[0] if single else metrics,
+    }
 
 
 def chunk_maker(kind: str, rid: str, created: int, chat: bool, tokenizer, model_name: str) -> Callable[..., dict]:

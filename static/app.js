@@ -48,10 +48,21 @@ async function ask(prompt) {
   if (first !== null && n > 1) $("rate").textContent = ((n - 1) / ((end - first) / 1000)).toFixed(1);
 }
 
+// The engine's features as one line: on/off switches by name, settings with their value.
+function describeFeatures(features) {
+  return Object.entries(features).filter(([, v]) => v !== false && v !== null).map(([k, v]) => {
+    const name = k.replace(/_/g, " ");
+    if (v === true) return name;
+    if (k.endsWith("memory") && typeof v === "number") return name + " " + Math.round(v / 2 ** 20) + " MiB";
+    return name + " " + v;
+  }).join(" · ");
+}
+
 async function poll() {
   try {
     const s = await (await fetch("/engine/stats")).json();
     $("engine-name").textContent = s.engine;
+    if (s.features) { $("features").hidden = false; $("features").textContent = describeFeatures(s.features); }
     for (const k of ["waiting", "running", "served"]) $(k).textContent = s[k];
     $("tokens-per-s").textContent = s.tokens_per_s; $("window").textContent = s.window_s;
     if (s.kv_blocks_used !== undefined) { $("kv").hidden = false; $("kv-blocks").textContent = s.kv_blocks_used; }

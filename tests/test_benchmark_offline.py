@@ -1,4 +1,5 @@
-"""06_benchmark_offline.py: the statistics on known numbers, the loop on a fake engine, a tiny real run."""
+"""06_benchmark_offline.py and what it shares in kit (bench, workloads): the statistics on known
+numbers, the loop on a fake engine, the engine flags, a tiny real run."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import load_script
+from kit import bench, workloads
 
-bench = load_script("06_benchmark_offline")
+offline = load_script("06_benchmark_offline")
 engine_mod = load_script("04_engine")
 contracts = load_script("03_contracts")
 Record = bench.RequestRecord
@@ -106,8 +108,8 @@ def table_row(printed: str, name: str) -> list[str] | None:
 def fake_world(monkeypatch, tmp_path):
     clock, calls = FakeClock(), []
     classes = {"fake:FakeEngine": FakeEngine, "fake:FakeLoopEngine": FakeLoopEngine}
-    monkeypatch.setattr(bench, "time", clock)
-    monkeypatch.setattr(bench.engine_mod, "load_engine", lambda spec, model, device: classes[spec](clock, calls))
+    monkeypatch.setattr(offline, "time", clock)
+    monkeypatch.setattr(offline.engine_mod, "load_engine", lambda spec, model, device: classes[spec](clock, calls))
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": [{"text": "a"}, {"text": "bb"}, {"text": "cccc"}]}))
     return calls, str(prompts)
@@ -116,7 +118,7 @@ def fake_world(monkeypatch, tmp_path):
 def test_measured_runs_use_engine_token_counts_and_discard_warmup(fake_world, tmp_path, capsys):
     calls, prompts = fake_world
     out = tmp_path / "res.json"
-    result = bench.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
+    result = offline.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
                          "--runs", "2", "--warmup", "2", "--json", str(out)])
     assert [p for _, p in calls] == ["a", "bb"] + ["a", "bb", "cccc"] * 2   # 2 warm-up calls first
     (stats,) = result["stats"]
@@ -134,14 +136,14 @@ def test_measured_runs_use_engine_token_counts_and_discard_warmup(fake_world, tm
 
 def test_ignore_eos_makes_equal_work(fake_world):
     _, prompts = fake_world
-    result = bench.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
+    result = offline.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
                          "--runs", "1", "--warmup", "0", "--ignore-eos"])
     assert [r.output_tokens for r in result["records"][0]] == [3, 3, 3]
 
 
 def test_comparison_alternates_engines_and_reports_ratios(fake_world, capsys):
     calls, prompts = fake_world
-    result = bench.main(["--engine", "fake:FakeEngine", "--engine", "fake:FakeLoopEngine", "--prompts", prompts,
+    result = offline.main(["--engine", "fake:FakeEngine", "--engine", "fake:FakeLoopEngine", "--prompts", prompts,
                          "--max-new-tokens", "3", "--runs", "2", "--warmup", "0"])
     order = [name for name, _ in calls]
     assert order == ["FakeEngine"] * 3 + ["FakeLoopEngine"] * 3 + ["FakeEngine"] * 3 + ["FakeLoopEngine"] * 3
@@ -156,7 +158,7 @@ def test_comparison_alternates_engines_and_reports_ratios(fake_world, capsys):
 
 def test_batch_mode_times_whole_chunks(fake_world):
     _, prompts = fake_world
-    result = bench.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
+    result = offline.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
                          "--runs", "1", "--warmup", "0", "--batch", "--batch-size", "2"])
     # Chunk ["a", "bb"] takes 0.75 s, chunk ["cccc"] 0.75 s: each request waits for its chunk.
     assert [r.latency_ms for r in result["records"][0]] == [750.0, 750.0, 750.0]
@@ -169,24 +171,52 @@ def test_engine_labels_disambiguate_repeats():
                                                                  "BaselineEngine#2"]
 
 
+# --- the engine's feature flags ---------------------------------------------------------------
+
+def test_engine_flags_reach_every_engine_and_only_those_given(fake_world, monkeypatch):
+    _, prompts = fake_world
+    fake_load, loaded = offline.engine_mod.load_engine, []
+
+    def load(spec, model, device=None, **options):
+        loaded.append((spec, options))
+        return fake_load(spec, model, device)
+    monkeypatch.setattr(offline.engine_mod, "load_engine", load)
+    argv = ["--engine", "fake:FakeEngine", "--engine", "fake:FakeLoopEngine", "--prompts", prompts,
+            "--max-new-tokens", "1", "--runs", "1", "--warmup", "0"]
+    offline.main(argv)
+    assert loaded == [("fake:FakeEngine", {}), ("fake:FakeLoopEngine", {})]   # none given: each engine's defaults
+    loaded.clear()
+    offline.main(argv + ["--kv-memory", "256MB", "--prefix-caching", "--max-num-seqs", "8",
+                         "--quant", "int4", "--group-size", "64"])
+    given = {"kv_memory": 256 << 20, "prefix_caching": True, "max_num_seqs": 8, "quant": "int4", "group_size": 64}
+    assert loaded == [("fake:FakeEngine", given), ("fake:FakeLoopEngine", given)]
+
+
+def test_an_engine_without_the_feature_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):   # load_engine checks the keywords before any model loads
+        offline.main(["--engine", "04_engine:BaselineEngine", "--kv-memory", "64MB"])
+    err = capsys.readouterr().err
+    assert "04_engine:BaselineEngine does not take kv_memory" in err and "Traceback" not in err
+
+
 # --- the committed workload and a small real run ----------------------------------------------
 
 def test_committed_prompts_are_varied(tiny_engine, tmp_path):
-    prompts = bench.load_prompts()
+    prompts = workloads.load_prompts()
     assert len(prompts) == 16
     assert any("messages" in p for p in prompts) and any("text" in p for p in prompts)
-    lengths = [len(tiny_engine.tokenizer(bench.prompt_text(tiny_engine, p)).input_ids) for p in prompts]
+    lengths = [len(tiny_engine.tokenizer(offline.prompt_text(tiny_engine, p)).input_ids) for p in prompts]
     assert min(lengths) < 16 and max(lengths) > 300
     assert max(lengths) + 64 <= tiny_engine.context_length   # fits even the tiny test model
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"prompts": [{"text": "hi", "messages": []}]}))
     with pytest.raises(ValueError):
-        bench.load_prompts(bad)
+        workloads.load_prompts(bad)
 
 
 def test_real_run_writes_json_and_png(tiny_model_dir, tmp_path):
     out, png = tmp_path / "offline.json", tmp_path / "offline.png"
-    result = bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "3", "--runs", "1",
+    result = offline.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "3", "--runs", "1",
                          "--warmup", "1", "--max-new-tokens", "4", "--ignore-eos",
                          "--json", str(out), "--plot", str(png)])
     saved = json.loads(out.read_text())
@@ -213,7 +243,7 @@ class CharTokenizer:
 
 
 def committed_requests() -> list[dict]:
-    return load_script("11_paged_kv_demo").load_workload()["requests"]
+    return workloads.load_workload()["requests"]
 
 
 def test_mixed_workload_has_the_committed_token_counts_and_budgets(tiny_model_dir):
@@ -221,24 +251,24 @@ def test_mixed_workload_has_the_committed_token_counts_and_budgets(tiny_model_di
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)   # the real SmolLM2 tokenizer
     spec = committed_requests()
-    items = bench.mixed_workload(tokenizer, 70, seed=0)          # 70 > 64: the list cycles
+    items = workloads.mixed_workload(tokenizer, 70, seed=0)          # 70 > 64: the list cycles
     wanted = [spec[i % 64] for i in range(70)]
     assert [len(tokenizer(w.prompt).input_ids) for w in items] == [r["prompt_tokens"] for r in wanted]
     assert [w.max_new_tokens for w in items] == [r["max_tokens"] for r in wanted]
     assert len({w.max_new_tokens for w in items}) == 4 and min(r["prompt_tokens"] for r in wanted) < 16
     assert all(w.prompt.strip() and "\n\n" not in w.prompt for w in items)   # text, not ids
-    assert bench.mixed_workload(tokenizer, 8, seed=0) == items[:8]           # deterministic by seed
-    other = bench.mixed_workload(tokenizer, 8, seed=1)
+    assert workloads.mixed_workload(tokenizer, 8, seed=0) == items[:8]           # deterministic by seed
+    other = workloads.mixed_workload(tokenizer, 8, seed=1)
     assert [w.prompt for w in other] != [w.prompt for w in items[:8]]
     assert [len(tokenizer(w.prompt).input_ids) for w in other] == [r["prompt_tokens"] for r in spec[:8]]
     with pytest.raises(ValueError, match="n >= 1"):
-        bench.mixed_workload(tokenizer, 0)
+        workloads.mixed_workload(tokenizer, 0)
 
 
 def test_text_of_length_cuts_exactly_or_refuses():
-    assert bench.text_of_length(CharTokenizer(), "hello world", 5) == "hello"
+    assert workloads.text_of_length(CharTokenizer(), "hello world", 5) == "hello"
     with pytest.raises(ValueError, match="cannot cut 12 tokens"):
-        bench.text_of_length(CharTokenizer(), "hello world", 12)
+        workloads.text_of_length(CharTokenizer(), "hello world", 12)
 
 
 class ThreadClock(FakeClock):
@@ -287,12 +317,12 @@ class NoBar:
 def test_static_batches_wait_for_the_largest_budget_but_count_only_their_own():
     calls, clock = [], FakeClock()
     engine = FakeStaticEngine(clock, calls)
-    items = [bench.WorkItem("a", 2), bench.WorkItem("bb", 5), bench.WorkItem("ccc", 3)]
-    saved, bench.time = bench.time, clock
+    items = [workloads.WorkItem("a", 2), workloads.WorkItem("bb", 5), workloads.WorkItem("ccc", 3)]
+    saved, offline.time = offline.time, clock
     try:
-        records, seconds = bench.run_batched(engine, items, None, NoBar(), batch_size=2)
+        records, seconds = offline.run_batched(engine, items, None, NoBar(), batch_size=2)
     finally:
-        bench.time = saved
+        offline.time = saved
     assert calls == [("batch", 2, 5), ("batch", 1, 3)]                      # one budget per batch: its largest
     assert [r.output_tokens for r in records] == [2, 5, 3]
     assert [r.beyond_budget for r in records] == [3, 0, 0]
@@ -301,9 +331,9 @@ def test_static_batches_wait_for_the_largest_budget_but_count_only_their_own():
 
 def test_a_submit_engine_gets_every_request_at_once_with_its_own_budget(monkeypatch):
     calls, clock = [], ThreadClock()
-    monkeypatch.setattr(bench, "time", clock)
-    items = [bench.WorkItem(p, b) for p, b in (("a", 30), ("bb", 10), ("ccc", 20))]
-    records, seconds = bench.run_submitted(FakeSubmitEngine(clock, calls), items, None, NoBar())
+    monkeypatch.setattr(offline, "time", clock)
+    items = [workloads.WorkItem(p, b) for p, b in (("a", 30), ("bb", 10), ("ccc", 20))]
+    records, seconds = offline.run_submitted(FakeSubmitEngine(clock, calls), items, None, NoBar())
     assert calls[:3] == [("submit", "a", 30), ("submit", "bb", 10), ("submit", "ccc", 20)]   # before any read
     assert sorted(calls[3:]) == [("read", "a", 30), ("read", "bb", 10), ("read", "ccc", 20)]
     assert [r.latency_ms for r in records] == pytest.approx([3000.0, 1000.0, 2000.0])   # each leaves when done
@@ -321,14 +351,14 @@ def mixed_world(monkeypatch):
         engine = classes[spec](clock, calls)
         engine.tokenizer = CharTokenizer()
         return engine
-    monkeypatch.setattr(bench, "time", clock)
-    monkeypatch.setattr(bench.engine_mod, "load_engine", load)
+    monkeypatch.setattr(offline, "time", clock)
+    monkeypatch.setattr(offline.engine_mod, "load_engine", load)
     return calls
 
 
 def test_mixed_workload_compares_sequential_static_and_all_at_once(mixed_world, capsys):
     spec = committed_requests()[:4]                       # budgets 32, 32, 32, 256
-    result = bench.main(["--workload", "mixed", "--num-prompts", "4", "--runs", "1", "--warmup", "0",
+    result = offline.main(["--workload", "mixed", "--num-prompts", "4", "--runs", "1", "--warmup", "0",
                          "--ignore-eos", "--engine", "fake:FakeEngine", "--engine", "fake:FakeStaticEngine",
                          "--engine", "fake:FakeSubmitEngine", "--batch", "FakeStaticEngine"])
     seq, static, submitted = result["stats"]
@@ -361,8 +391,11 @@ def test_mixed_workload_compares_sequential_static_and_all_at_once(mixed_world, 
     (["--prompts", ""], "--prompts needs a file name"),
     (["--plot", "x.txt"], "argument --plot: 'x.txt' should end in one of .png"),
     (["--json", "/tmp"], "argument --json: '/tmp' is a folder, not a file name"),
+    (["--kv-memory", "lots"], "argument --kv-memory: not a memory size: 'lots'"),
+    (["--quant", "int3"], "argument --quant: invalid choice: 'int3'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: 0 is out of range"),
 ])
 def test_bad_flags_are_refused_with_the_reason(argv, message, mixed_world, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--engine", "fake:FakeEngine"] + argv)
+        offline.main(["--engine", "fake:FakeEngine"] + argv)
     assert message in capsys.readouterr().err

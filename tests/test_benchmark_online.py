@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 
 import httpx
 import numpy as np
 import pytest
 
-from conftest import load_script
+from conftest import REPO_ROOT, load_script
+from kit import bench, cli, launcher, workloads
 
 online = load_script("06_benchmark_online")
 
@@ -158,7 +162,7 @@ def test_real_run_against_the_server(tiny_model_dir, tmp_path, monkeypatch):
 
 # --- the mixed workload, goodput, and comparing servers in one run ----------------------------
 
-Record = online.RequestRecord
+Record = bench.RequestRecord
 
 
 def test_goodput_counts_requests_within_the_slo():
@@ -181,13 +185,12 @@ def test_goodput_counts_requests_within_the_slo():
 def test_mixed_workload_sends_plain_text_with_each_requests_own_budget(tiny_model_dir):
     args = online.argparse.Namespace(workload="mixed", model=str(tiny_model_dir), num_prompts=6, seed=3)
     requests = online.workload(args)
-    spec = load_script("11_paged_kv_demo").load_workload()["requests"][:6]
+    spec = workloads.load_workload()["requests"][:6]
     assert [budget for _, budget in requests] == [r["max_tokens"] for r in spec]
     path, body = online.request_for(requests[3][0], "m", requests[3][1], ignore_eos=True, stream=True)
     assert path == "/v1/completions" and body["max_tokens"] == spec[3]["max_tokens"]   # no chat template
-    offline = load_script("06_benchmark_offline")
     from transformers import AutoTokenizer
-    expected = offline.mixed_workload(AutoTokenizer.from_pretrained(tiny_model_dir), 6, seed=3)
+    expected = workloads.mixed_workload(AutoTokenizer.from_pretrained(tiny_model_dir), 6, seed=3)
     assert [p["text"] for p, _ in requests] == [w.prompt for w in expected]
 
 
@@ -225,3 +228,67 @@ def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit):
         online.main(["--url", "http://127.0.0.1:1"] + argv)
     assert message in capsys.readouterr().err
+
+
+# --- the engine's feature flags, passed on to the servers launched ----------------------------
+
+def test_engine_options_become_the_servers_flags():
+    cmd = launcher.server_command(8123, "m", "13_continuous_batching:ContinuousBatchingEngine", "cpu",
+                                  {"kv_memory": 268435456, "prefix_caching": True, "max_num_seqs": 8,
+                                   "quant": "int4", "block_size": None}, args=("--api-key", "k"))
+    assert cmd[1:] == [str(launcher.SERVER_SCRIPT), "--host", "127.0.0.1", "--port", "8123",
+                       "--engine", "13_continuous_batching:ContinuousBatchingEngine", "--model", "m",
+                       "--device", "cpu", "--kv-memory", "268435456", "--prefix-caching", "--max-num-seqs", "8",
+                       "--quant", "int4", "--api-key", "k"]        # None: not given, the engine's default
+    assert launcher.server_command(1) == launcher.server_command(1, engine_options={})
+    with pytest.raises(ValueError, match="--prefix-caching can only turn prefix_caching on"):
+        launcher.server_command(1, engine_options={"prefix_caching": False})
+
+
+def test_the_flags_read_back_as_the_same_options():
+    # What the benchmark parsed, turned into flags, parses back to the same keywords: the server
+    # (which parses them with the same cli.add_engine_options) builds the engine the benchmark asked for.
+    parser = argparse.ArgumentParser()
+    cli.add_engine_options(parser)
+    given = cli.engine_options(parser.parse_args(["--kv-memory", "256MB", "--prefix-caching", "--quant", "int4",
+                                                  "--group-size", "64", "--quant-head", "int8", "--block-size", "32",
+                                                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512"]))
+    assert set(given) == set(cli.ENGINE_OPTIONS)
+    flags = launcher.server_command(1, engine_options=given)[6:]
+    assert cli.engine_options(parser.parse_args(flags)) == given
+
+
+def test_the_server_takes_every_engine_flag():
+    proc = subprocess.run([sys.executable, "05_server.py", "--help"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    flags = launcher.server_command(1, engine_options={name: 1 for name in cli.ENGINE_OPTIONS})[6::2]
+    missing = [flag for flag in flags if flag not in proc.stdout]
+    assert not missing, f"05_server.py lacks the engine flags {missing}: it should call cli.add_engine_options"
+
+
+def test_launched_servers_get_the_engine_flags(monkeypatch):
+    launched = []
+
+    @contextlib.contextmanager
+    def fake_launch(spec, model, device, timeout_s, engine_options=None):
+        launched.append((spec, engine_options))
+        yield f"http://h:{len(launched)}"
+
+    async def fake_measure(url, args, requests, warmup, bar):
+        return [Record(10.0, 1, 1, ttft_ms=5.0)], 1.0
+    monkeypatch.setattr(online, "launched_server", fake_launch)
+    monkeypatch.setattr(online, "measure", fake_measure)
+    online.main(["--engine", "a:AEngine", "--engine", "b:BEngine", "--num-prompts", "1", "--runs", "1",
+                 "--kv-memory", "64MB", "--prefix-caching"])
+    options = {"kv_memory": 64 << 20, "prefix_caching": True}
+    assert launched == [("a:AEngine", options), ("b:BEngine", options)]
+    launched.clear()
+    online.main(["--engine", "a:AEngine", "--num-prompts", "1", "--runs", "1"])
+    assert launched == [("a:AEngine", {})]
+
+
+def test_engine_flags_are_refused_with_a_running_server(capsys):
+    with pytest.raises(SystemExit):
+        online.main(["--url", "http://127.0.0.1:1", "--kv-memory", "64MB"])
+    assert "configure the servers launched here: drop them with --url" in capsys.readouterr().err

@@ -6,10 +6,12 @@ Needs Debian's `chromium` and `chromium-driver` (apt-get install chromium chromi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-
 import os
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -45,6 +47,7 @@ def test_page_streams_an_answer_and_the_panel_updates(browser, tiny_model_dir):
         wait = WebDriverWait(browser, 60)
         wait.until(lambda d: d.find_element(By.ID, "served").text == "0")   # the panel polled /engine/stats
         assert browser.find_element(By.ID, "engine-name").text == "BaselineEngine"
+        assert not browser.find_element(By.ID, "features").is_displayed()   # Chapter 1's engine has none
         prompt = browser.find_element(By.ID, "prompt")
         prompt.clear()
         prompt.send_keys("Tell me about the sea.")
@@ -56,3 +59,35 @@ def test_page_streams_an_answer_and_the_panel_updates(browser, tiny_model_dir):
         assert browser.find_elements(By.CSS_SELECTOR, "#batches div")
         if SCREENSHOT:
             browser.save_screenshot(str(REPO_ROOT / SCREENSHOT))
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """uvicorn in a thread of this process, on a free loopback port: for an app built around a test engine."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=launcher.free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.config.port}"
+    deadline = time.monotonic() + 30
+    while not launcher.healthy(url):
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_page_shows_the_engines_features(browser, tiny_engine):
+    from test_server_ops import FeaturedEngine
+
+    app = load_script("05_server").make_app(FeaturedEngine(tiny_engine))
+    with serve_in_thread(app) as url:
+        browser.get(url + "/")
+        line = WebDriverWait(browser, 30).until(
+            lambda d: d.find_element(By.ID, "features").is_displayed() and d.find_element(By.ID, "features"))
+        assert line.text == ("quant int8 · prefix caching · kv memory 512 MiB · block size 16 · "
+                             "max num seqs 32 · max num batched tokens 256")

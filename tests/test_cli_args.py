@@ -41,11 +41,25 @@ def test_output_file_is_checked_and_its_folder_made(tmp_path):
     assert cli.output_file()(str(tmp_path / "any.name")).endswith("any.name")
 
 
+def test_memory_sizes_parse():
+    assert cli.parse_bytes("512MB") == 512 << 20
+    assert cli.parse_bytes("1.5GiB") == 3 << 29
+    assert cli.parse_bytes("64m") == 64 << 20
+    assert cli.parse_bytes(" 2 kb ") == 2048
+    assert cli.parse_bytes("1000") == 1000
+    assert cli.parse_bytes("1TB") == 1 << 40
+    for bad in ("", "MB", "-5MB", "12XB", "1e9", "0", "2TB", "512 MB MB"):
+        with pytest.raises(ValueError):
+            cli.parse_bytes(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="not a memory size"):
+        cli.byte_size("lots")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["09_static_batching.py", "--sizes", "0"], "argument --sizes: 0 is out of range"),
-    (["13_continuous_batching.py", "--rate", "nan"], "argument --rate: nan is not a finite number"),
-    (["13_continuous_batching.py", "--small", "--requests", "3"], "give either --small or those"),
-    (["16_quantization.py", "--rounds", "0"], "argument --rounds: 0 is out of range"),
+    (["13_continuous_batching_demo.py", "--rate", "nan"], "argument --rate: nan is not a finite number"),
+    (["13_continuous_batching_demo.py", "--small", "--requests", "3"], "give either --small or those"),
+    (["16_quantization_demo.py", "--rounds", "0"], "argument --rounds: 0 is out of range"),
     (["05_server.py", "--port", "70000"], "argument --port: 70000 is out of range"),
     (["05_server.py", "--host", ""], "--host must name an address"),
     (["04_engine.py", "--device", "tpu"], "unknown device 'tpu'"),

@@ -19,7 +19,7 @@ from conftest import load_script
 
 paged = load_script("11_paged_kv")
 sched13 = load_script("13_scheduler")
-cb13 = load_script("13_continuous_batching")
+cb13 = load_script("13_continuous_batching_engine")
 SamplingParams = load_script("03_contracts").SamplingParams
 
 

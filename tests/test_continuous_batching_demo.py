@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import load_script
+from kit.workloads import WorkItem, mixed_workload
 
 demo = load_script("13_continuous_batching_demo")
-bench = load_script("06_benchmark_offline")
 GREEDY = demo.SamplingParams(ignore_eos=True)      # a random model's EOS would end requests at random
 
 
@@ -25,7 +25,7 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def workload(engine):
-    items = [bench.WorkItem(it.prompt, 3 + i % 4) for i, it in enumerate(bench.mixed_workload(engine.tokenizer, 6))]
+    items = [WorkItem(it.prompt, 3 + i % 4) for i, it in enumerate(mixed_workload(engine.tokenizer, 6))]
     return items, demo.arrival_times(len(items), rate=200.0, seed=0)
 
 
@@ -85,7 +85,7 @@ def test_preemption_shows_in_the_trace_and_changes_no_output(engine, tiny_model_
     # Budgets of 40: the first two prompts (48 and 95 tokens) are admitted into 9 blocks, then
     # outgrow a pool one block larger than the longest request needs. All arrive at once: with
     # the workload's few-millisecond gaps a fast machine finished r0 before r1 came.
-    items, arrivals = [bench.WorkItem(it.prompt, 40) for it in workload[0]], [0.0] * len(workload[0])
+    items, arrivals = [WorkItem(it.prompt, 40) for it in workload[0]], [0.0] * len(workload[0])
     per_block = engine.model.config.kv_bytes_per_token(engine.model.dtype) * engine.pool.block_size
     longest = max(prompt_len(engine, it) + it.max_new_tokens for it in items)
     tight = make_engine(tiny_model_dir, kv_memory=(engine.blocks.blocks_for(longest) + 1) * per_block)

@@ -54,8 +54,8 @@ def test_eos_and_ignore_eos_match_baseline(loop_mod, tiny_engine, tiny_loop, ref
     # The random tiny model never picks the real EOS, so declare one of its greedy tokens to be EOS.
     prompt = reference_prompts[1]
     eos = tiny_loop.generate(prompt, 10).output_ids[4]
-    for engine in (tiny_engine, tiny_loop):
-        monkeypatch.setattr(engine, "eos_token_ids", {eos})
+    monkeypatch.setattr(tiny_engine, "eos_token_ids", {eos})
+    monkeypatch.setattr(tiny_loop.output, "eos_token_ids", {eos})   # our loop's output processor decides
     ours = tiny_loop.generate(prompt, 10)
     assert_same(tiny_engine.generate(prompt, 10), ours)
     assert ours.finish_reason == "stop" and ours.output_ids[-1] == eos   # the EOS token is kept in the ids
@@ -110,18 +110,39 @@ def test_sampling_draws_follow_the_filtered_distribution(loop_mod, tiny_loop):
     params = loop_mod.SamplingParams(temperature=0.7, top_k=6, top_p=0.85, seed=0)
     expected = expected_distribution(logits, 0.7, 6, 0.85)
     assert 2 < len(expected) < 6                    # both filters actually cut something here
-    seq = tiny_loop.new_sequence(params, budget=1, n_prompt=1)
+    request = tiny_loop.output.new_request([1], params, budget=1)
     row = torch.tensor([logits])
     n = 20_000
     counts: dict[int, int] = {}
     for _ in range(n):
-        (token,) = tiny_loop.sample(row, [seq])    # the engine's own sampling path
+        (token,) = loop_mod.sample(row, [request])   # the engines' own sampling path
         counts[token] = counts.get(token, 0) + 1
     assert set(counts) <= set(expected)             # nothing outside the top-k / top-p set
     chi2 = sum((counts.get(i, 0) - n * q) ** 2 / (n * q) for i, q in expected.items())
     # 4 tokens kept, so df = 3 and P(chi2 > 20.5) is about 1e-4. Skipping temperature, top-k or
     # top-p lets a fifth token in; even temperature 0.75 instead of 0.7 expects chi2 near 30.
     assert chi2 < 20.5, (counts, expected)
+
+
+def test_one_request_object_spans_prompt_and_output(loop_mod, tiny_loop):
+    """Chapter 2's Request, the one object every later engine passes around: tokens(start, n) reads
+    across the prompt/output boundary, accept() ends it at its budget, result() reports it."""
+    output = tiny_loop.output
+    r = output.new_request([5, 6, 7], loop_mod.SamplingParams(ignore_eos=True), budget=3, arrival=1.0)
+    assert (r.n_prompt, r.num_tokens, r.new_ids, r.finish_reason, r.history) == (3, 3, [], None, None)
+    for t, now in ((8, 2.0), (9, 2.5)):
+        output.accept(r, t, now)
+    assert r.num_tokens == 5 and r.finish_reason is None
+    assert r.tokens(0, 5) == [5, 6, 7, 8, 9] and r.tokens(2, 2) == [7, 8] and r.tokens(3, 2) == [8, 9]
+    assert r.tokens(4, 10) == [9] and r.prompt_ids == [5, 6, 7]
+    output.accept(r, 10, 3.0)
+    assert r.finish_reason == "length" and r.new_ids == [8, 9, 10]
+    result = output.result(r)
+    assert result.output_ids == [8, 9, 10] and result.finish_reason == "length"
+    assert (result.metrics.input_tokens, result.metrics.output_tokens) == (3, 3)
+    assert result.metrics.ttft_ms == pytest.approx(1000.0) and result.metrics.tpot_ms == pytest.approx(500.0)
+    assert load_script("13_scheduler").Request is loop_mod.Request     # one request type, every chapter
+    assert output.new_request([5], loop_mod.SamplingParams(), 2).id != r.id
 
 
 def test_stream_pieces_join_to_the_text(loop_mod, tiny_loop, reference_prompts):

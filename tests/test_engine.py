@@ -227,9 +227,9 @@ def test_threads_flag_sets_torch_threads_and_refuses_zero(engine_mod):
 
 
 @pytest.mark.parametrize("spec", ["04_engine:BaselineEngine", "07_decode_loop:DecodeLoopEngine",
-                                  "09_static_batching:StaticBatchEngine", "10_model:ModelEngine",
-                                  "11_paged_kv:PagedEngine", "13_continuous_batching:ContinuousBatchingEngine",
-                                  "16_quantization:Int8Engine"])
+                                  "09_static_batching:StaticBatchEngine", "10_model_engine:ModelEngine",
+                                  "11_paged_kv_engine:PagedEngine", "13_continuous_batching_engine:ContinuousBatchingEngine",
+                                  "16_quantization_engine:Int8Engine"])
 def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_dir):
     """The same refusals through every chapter's engine, single and batch: never a TypeError from
     deep inside, never a silent default, never a request without an end (NaN fails every comparison)."""

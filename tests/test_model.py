@@ -155,13 +155,46 @@ def test_bad_input_is_a_value_error(tiny_model_engine):
         tiny_model_engine.generate("hello " * 600, 8)
     with pytest.raises(ValueError, match="prompts must be a list"):
         tiny_model_engine.generate_batch("hello", 8)
-    with pytest.raises(ValueError, match="max_batch_size"):
-        engine10.ModelEngine(None, max_batch_size=0)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            engine10.ModelEngine(None, max_num_seqs=bad)
+    with pytest.raises(ValueError, match="kv_memory"):
+        engine10.ModelEngine(None, kv_memory=0)
+
+
+def test_max_batch_size_is_max_num_seqs_read_only(tiny_model_dir):
+    engine = engine10.ModelEngine(str(tiny_model_dir), device="cpu", max_num_seqs=3)
+    assert engine.max_batch_size == engine.max_num_seqs == 3 == engine.features()["max_num_seqs"]
+    with pytest.raises(AttributeError):
+        engine.max_batch_size = 5
+    assert engine.model is engine.runner.model and engine.features()["quant"] == "float32"
 
 
 def test_engine_spec_loads_through_10_model(engine_mod, tiny_model_dir):
-    engine = engine_mod.load_engine("10_model:ModelEngine", str(tiny_model_dir), device="cpu")
+    engine = engine_mod.load_engine("10_model_engine:ModelEngine", str(tiny_model_dir), device="cpu")
     assert isinstance(engine, engine10.ModelEngine)
+    old = engine_mod.load_engine("10_model:ModelEngine", str(tiny_model_dir), device="cpu")   # earlier notes' spec
+    assert type(old) is engine10.ModelEngine and not hasattr(model10, "ModelEngine")
+
+
+def test_model_runner_steps_a_chunked_prefill_next_to_decodes(tiny_model_engine):
+    """One runner step is prepare -> forward -> sample over any mix: a prompt chunk that ends mid-prompt
+    predicts nothing (None); the chunk that completes it and a decode step each give the token alone would."""
+    runner10 = load_script("10_model_runner")
+    model = runner10.load_model(tiny_model_engine.folder)
+    runner = runner10.ModelRunner(model, model.new_cache(2, 64))
+    params = SamplingParams(ignore_eos=True)
+    a, b = (tiny_model_engine.output.new_request(ids, params, 4) for ids in (list(range(10, 40)), list(range(50, 57))))
+    alone = lambda ids: int(step_by_step_logits(model, ids, len(ids))[-1].argmax())   # noqa: E731
+    batch = runner.prepare([a, b], [0, 0], [12, 7], [1, 0])
+    assert batch.positions.tolist() == list(range(12)) + list(range(7))
+    assert batch.slots.tolist() == [64 + t for t in range(12)] + list(range(7))       # row * max_len + position
+    assert batch.token_ids.tolist() == a.prompt_ids[:12] + b.prompt_ids
+    first = runner.step([a, b], [0, 0], [12, 7], [1, 0])
+    assert first[0] is None and first[1] == alone(b.prompt_ids)
+    tiny_model_engine.output.accept(b, first[1], 0.0)
+    second = runner.step([a, b], [12, 7], [18, 1], [1, 0])            # a's rest of the prompt, b's decode step
+    assert second == [alone(a.prompt_ids), alone(b.prompt_ids + [first[1]])]
 
 
 @pytest.mark.real_model

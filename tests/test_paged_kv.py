@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from conftest import load_script, step_by_step_logits
+from kit.workloads import load_workload
 
 model10 = load_script("10_model")
 engine10 = load_script("10_model_engine")
 paged = load_script("11_paged_kv")
+engine11 = load_script("11_paged_kv_engine")
 demo = load_script("11_paged_kv_demo")
 SamplingParams = load_script("03_contracts").SamplingParams
 
@@ -173,6 +175,25 @@ def test_shared_blocks_are_counted_and_outlive_their_first_owner():
     assert blocks.num_free == 10 and all(c == 0 for c in blocks.ref_counts)
 
 
+def test_allocate_prompt_and_cache_computed_are_chapter_7s_plain_answers():
+    """The two calls an engine makes around a prompt: Chapter 7's manager has nothing cached to offer
+    (0 tokens computed already) and nothing to remember afterwards; Chapter 8's overrides both."""
+    blocks = paged.BlockManager(num_blocks=8, block_size=4)
+    assert blocks.caches_prefixes is False
+    assert blocks.allocate_prompt(0, list(range(10))) == 0
+    assert blocks.tables[0] == [0, 1, 2] and blocks.lengths[0] == 10
+    before = snapshot(blocks)
+    blocks.cache_computed(0, list(range(10)))
+    assert snapshot(blocks) == before
+    assert blocks.allocate_prompt(1, list(range(10))) == 0 and blocks.tables[1] == [3, 4, 5]   # no sharing
+    check_books(blocks)
+    with pytest.raises(paged.PoolFullError):
+        blocks.allocate_prompt(2, list(range(9)))
+    with pytest.raises(ValueError, match="already has blocks"):
+        blocks.allocate_prompt(0, [1])
+    assert snapshot(blocks)[1:] == snapshot(blocks)[1:] and 2 not in blocks.tables
+
+
 def test_full_pool_says_not_now_and_changes_nothing():
     blocks = paged.BlockManager(num_blocks=4, block_size=4)
     blocks.allocate(0, 12)
@@ -221,20 +242,8 @@ def test_pool_size_comes_from_the_memory_budget(tiny_model):
     assert pool.num_blocks == 10 and pool.nbytes == 10 * 16 * per_token
 
 
-def test_kv_memory_strings_parse():
-    assert demo.parse_bytes("512MB") == 512 << 20
-    assert demo.parse_bytes("1.5GiB") == 3 << 29
-    assert demo.parse_bytes("64m") == 64 << 20
-    assert demo.parse_bytes(" 2 kb ") == 2048
-    assert demo.parse_bytes("1000") == 1000
-    assert demo.parse_bytes("1TB") == 1 << 40
-    for bad in ("", "MB", "-5MB", "12XB", "1e9", "0", "2TB", "512 MB MB"):
-        with pytest.raises(ValueError):
-            demo.parse_bytes(bad)
-
-
 def test_capacity_table_counts_what_fits():
-    workload = demo.load_workload()
+    workload = load_workload()
     table = demo.capacity(workload, 64 << 20, 46080, 16)
     contiguous, per_request, pages = table.values()
     budget = (64 << 20) // 46080
@@ -250,7 +259,7 @@ TINY_KV = 1 << 20          # 2,048 tokens of the tiny model: 128 blocks of 16
 
 @pytest.fixture(scope="module")
 def tiny_paged(tiny_model_dir):
-    return paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=TINY_KV)
+    return engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=TINY_KV)
 
 
 @pytest.fixture(scope="module")
@@ -274,13 +283,16 @@ def test_greedy_equals_baseline_alone_and_batched(tiny_paged, tiny_engine, refer
 def test_small_pool_answers_every_prompt_in_chunks(tiny_model_dir, tiny_contiguous, reference_prompts):
     # 12 blocks of 16 tokens: room for a few of the prompts at a time, never all seven.
     per_token = tiny_contiguous.model.config.kv_bytes_per_token(torch.float32)
-    small = paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=12 * 16 * per_token)
+    small = engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=12 * 16 * per_token)
     assert small.blocks.num_blocks == 12
-    encoded = [small._encode_ids(p, 10) for p in reference_prompts]
-    chunks = list(small.batch_chunks(encoded, 10))
+    requests = [small.new_request(p, 10) for p in reference_prompts]
+    assert all(r.budget == 10 for r in requests)
+    chunks = list(small.batch_chunks(requests))
     assert len(chunks) > 1 and chunks[0].start == 0 and chunks[-1].stop == len(reference_prompts)
+    assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))          # consecutive, none skipped
     for chunk in chunks:
-        assert sum(small.blocks.blocks_for(len(e) + 10) for e in encoded[chunk]) <= 12 or chunk.stop - chunk.start == 1
+        assert sum(small.blocks.blocks_for(r.n_prompt + 10) for r in requests[chunk]) <= 12 or \
+            chunk.stop - chunk.start == 1
     params = SamplingParams(stop=("the",))
     got = small.generate_batch(reference_prompts, 10, params)
     want = tiny_contiguous.generate_batch(reference_prompts, 10, params)
@@ -319,17 +331,17 @@ def test_an_abandoned_stream_gives_its_blocks_back(tiny_paged, reference_prompts
 
 def test_a_batch_refused_half_way_keeps_no_block(tiny_model_dir, tiny_contiguous, reference_prompts):
     per_token = tiny_contiguous.model.config.kv_bytes_per_token(torch.float32)
-    small = paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=12 * 16 * per_token)
-    encoded = [small._encode_ids(p, 4) for p in reference_prompts]     # together: more than 12 blocks
-    seqs = [small.new_sequence(SamplingParams(), 4, len(ids)) for ids in encoded]
+    small = engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=12 * 16 * per_token)
+    requests = [small.new_request(p, 4) for p in reference_prompts]     # together: more than 12 blocks
+    assert sum(small.blocks.blocks_for(r.n_prompt) for r in requests) > 12
     with pytest.raises(paged.PoolFullError):
-        next(small.run(encoded, seqs))               # run() bypasses batch_chunks: the pool says no
+        next(small.run(requests))                    # run() bypasses batch_chunks: the pool says no
     assert all_free(small)
 
 
 def test_a_request_that_could_never_fit_is_refused(tiny_model_dir, tiny_contiguous):
     per_token = tiny_contiguous.model.config.kv_bytes_per_token(torch.float32)
-    small = paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=4 * 16 * per_token)   # 64 tokens
+    small = engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=4 * 16 * per_token)   # 64 tokens
     with pytest.raises(ValueError, match="needs 5 KV blocks; the pool has 4"):
         small.generate("hello", 70)
     with pytest.raises(ValueError, match="needs .* KV blocks"):
@@ -337,17 +349,21 @@ def test_a_request_that_could_never_fit_is_refused(tiny_model_dir, tiny_contiguo
     assert all_free(small)
     assert len(small.generate("hello", 60, SamplingParams(ignore_eos=True)).output_ids) == 60
     with pytest.raises(ValueError, match="block_size"):
-        paged.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=TINY_KV, block_size=0)
+        engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=TINY_KV, block_size=0)
 
 
 def test_engine_spec_loads(engine_mod, tiny_model_dir):
-    engine = engine_mod.load_engine("11_paged_kv:PagedEngine", str(tiny_model_dir), device="cpu", kv_memory=TINY_KV)
-    assert isinstance(engine, paged.PagedEngine)
+    engine = engine_mod.load_engine("11_paged_kv_engine:PagedEngine", str(tiny_model_dir), device="cpu", kv_memory=TINY_KV)
+    assert isinstance(engine, engine11.PagedEngine)
+    assert not hasattr(paged, "PagedEngine")                        # 11_paged_kv.py holds the parts only
+    assert engine.runner.kv is engine.pool and type(engine.blocks) is paged.BlockManager
+    assert engine.pool.num_blocks == TINY_KV // (16 * engine.model.config.kv_bytes_per_token(torch.float32))
+    assert engine.features()["prefix_caching"] is False and engine.features()["block_size"] == 16
 
 
 @pytest.mark.real_model
 def test_real_model_greedy_equals_baseline(real_engine, default_model_dir, reference_prompts):
-    ours = paged.PagedEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20)
+    ours = engine11.PagedEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20)
     batch = ours.generate_batch(reference_prompts, 16)
     for prompt, got in zip(reference_prompts, batch):
         assert got.output_ids == real_engine.generate(prompt, 16).output_ids

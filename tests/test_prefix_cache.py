@@ -212,7 +212,7 @@ def test_a_thousand_random_requests_leak_nothing():
     for seq_id in range(1000):
         tokens = rng.choice(stems)[:rng.randrange(1, 30)] + [rng.randrange(100) for _ in range(rng.randrange(0, 6))]
         try:
-            hit = m.allocate_cached(seq_id, tokens)
+            hit = m.allocate_prompt(seq_id, tokens)
         except paged.PoolFullError:
             assert m.blocks_for(len(tokens)) > m.num_free
         else:
@@ -244,10 +244,10 @@ def test_a_thousand_random_requests_leak_nothing():
 def test_bad_calls_are_value_errors():
     m = pc.PrefixCachingBlockManager(8, BS)
     with pytest.raises(ValueError, match="0 tokens"):
-        m.allocate_cached(1, [])
-    m.allocate_cached(1, [1, 2, 3])
+        m.allocate_prompt(1, [])
+    m.allocate_prompt(1, [1, 2, 3])
     with pytest.raises(ValueError, match="already has blocks"):
-        m.allocate_cached(1, [1, 2, 3])
+        m.allocate_prompt(1, [1, 2, 3])
     with pytest.raises(ValueError, match="holds slots for 3"):
         m.cache_computed(1, [1, 2, 3, 4])
     m.free(1)
@@ -289,7 +289,7 @@ CHAT = ["Why is the sky blue?", "Name three rivers.", "What is a prime number?",
 def cb_engines(tiny_model_dir):
     """Continuous batching with the cache and without; 24 blocks of 4 tokens and 8 tokens a step:
     chunked prefills, preemption and eviction all the time."""
-    cb13 = load_script("13_continuous_batching")
+    cb13 = load_script("13_continuous_batching_engine")
     made = [cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=24 * 4 * TINY_KV_BYTES_PER_TOKEN,
                                           block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
                                           prefix_caching=on) for on in (True, False)]

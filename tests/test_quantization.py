@@ -124,7 +124,7 @@ def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch)
     monkeypatch.setenv("ENGINE_QUANT", "int4")
     monkeypatch.setenv("ENGINE_GROUP_SIZE", "64")
     monkeypatch.setenv("ENGINE_QUANT_HEAD", "f32")
-    engine = engine04.load_engine("16_quantization:QuantizedEngine", str(tiny_model_dir), device="cpu")
+    engine = engine04.load_engine("16_quantization_engine:QuantizedEngine", str(tiny_model_dir), device="cpu")
     assert engine.quant == "int4 g64, head f32"
     assert isinstance(engine.model.w["model.layers.0.qkv"], quant16.Int4Weight)
     assert isinstance(engine.model.w["lm_head"], torch.Tensor)
@@ -134,7 +134,7 @@ def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch)
                                   engine04.SamplingParams(ignore_eos=True))
     assert [len(r.output_ids) for r in batch] == [4, 4]
     monkeypatch.delenv("ENGINE_QUANT_HEAD")
-    int8 = engine04.load_engine("16_quantization:Int8Engine", str(tiny_model_dir), device="cpu")
+    int8 = engine04.load_engine("16_quantization_engine:Int8Engine", str(tiny_model_dir), device="cpu")
     assert int8.quant == "int8" and isinstance(int8.model.w["embed"], quant16.Int8Weight)
 
 

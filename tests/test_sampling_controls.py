@@ -1,5 +1,5 @@
 """Logit bias, the three penalties and log-probabilities: one meaning in Chapter 1's functions,
-in HF generate (the baseline) and in our own loop (Chapter 2, inherited by later engines)."""
+in HF generate (the baseline) and in our own loop (Chapter 2, shared by every later engine)."""
 
 from __future__ import annotations
 
@@ -145,11 +145,14 @@ def test_logit_bias_forces_and_bans(tiny_engine, tiny_loop, reference_prompts):
             engine.generate(prompt, 4, SamplingParams(logit_bias={engine.vocab_size: 1}))
 
 
-def test_repetition_penalty_needs_the_prompt_ids(tiny_loop):
-    with pytest.raises(ValueError, match="prompt's token ids"):
-        tiny_loop.new_sequence(SamplingParams(repetition_penalty=1.2), 4, 3)
-    seq = tiny_loop.new_sequence(SamplingParams(repetition_penalty=1.2), 4, 3, [5, 6, 7])
-    assert seq.history.prompt_seen.nonzero().flatten().tolist() == [5, 6, 7]
+def test_a_request_carries_its_prompt_ids_into_the_penalties(tiny_loop):
+    """Requests are built from their prompt ids, so a repetition penalty always sees the prompt;
+    a request that adjusts nothing keeps no history at all."""
+    r = tiny_loop.output.new_request([5, 6, 7], SamplingParams(repetition_penalty=1.2), 4)
+    assert r.history.prompt_seen.nonzero().flatten().tolist() == [5, 6, 7]
+    assert tiny_loop.output.new_request([5, 6, 7], SamplingParams(), 4).history is None
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_loop.output.new_request([5], SamplingParams(logit_bias={tiny_loop.vocab_size: 1.0}), 4)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -181,21 +184,24 @@ def test_a_batch_samples_each_row_as_if_alone(tiny_loop):
     torch.manual_seed(3)
     logits = torch.randn(3, tiny_loop.vocab_size)
     params = [SamplingParams(**ALL, logprobs=1), SamplingParams(), SamplingParams(frequency_penalty=2.0)]
+    decode_loop = load_script("07_decode_loop")
+
     def fresh():
-        seqs = [tiny_loop.new_sequence(p, 8, 3, [1, 2, 3]) for p in params]
-        for s in seqs:
-            tiny_loop.accept(s, int(logits[0].argmax()), 0.0)
-        return seqs
-    together = tiny_loop.sample(logits, seqs := fresh())
-    alone = [tiny_loop.sample(logits[i:i + 1], [s])[0] for i, s in enumerate(fresh())]
+        requests = [tiny_loop.output.new_request([1, 2, 3], p, 8) for p in params]
+        for r in requests:
+            tiny_loop.output.accept(r, int(logits[0].argmax()), 0.0)
+        return requests
+    together = decode_loop.sample(logits, seqs := fresh())
+    alone = [decode_loop.sample(logits[i:i + 1], [s])[0] for i, s in enumerate(fresh())]
     assert together == alone
     assert len(seqs[0].logprobs) == 1 and seqs[1].logprobs is None
 
 
-@pytest.mark.parametrize("spec", ["10_model:ModelEngine", "11_paged_kv:PagedEngine",
-                                  "13_continuous_batching:ContinuousBatchingEngine"])
+@pytest.mark.parametrize("spec", ["10_model_engine:ModelEngine", "11_paged_kv_engine:PagedEngine",
+                                  "12_prefix_cache_engine:PrefixCachingEngine",
+                                  "13_continuous_batching_engine:ContinuousBatchingEngine"])
 def test_engines_on_our_own_model_honour_every_control(spec, tiny_model_dir, tiny_engine, reference_prompts):
-    """Chapters 6-9 sample through the same Sequence: penalties (repetition covers the prompt,
+    """Chapters 6-9 sample through the same Request: penalties (repetition covers the prompt,
     so each engine must hand its prompt ids over) and bias give the baseline's tokens."""
     engine = load_script("04_engine").load_engine(spec, str(tiny_model_dir), device="cpu")
     try:

@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import load_script
+from kit import server_ops as ops_lib
 
 server = load_script("05_server")
 contracts = load_script("03_contracts")
@@ -433,7 +434,118 @@ def test_a_client_that_hangs_up_stops_its_list(tiny_engine, engine_class):
     asyncio.run(scenario())
 
 
-def test_importing_does_not_load_a_model():
-    assert "app" not in vars(server)   # built lazily by the module's __getattr__
-    with pytest.raises(AttributeError):
-        server.not_a_thing
+class CountingTokenizer:
+    """The tiny engine's tokenizer, recording every text it is asked to tokenise."""
+
+    def __init__(self, inner):
+        self.inner, self.texts = inner, []
+
+    def __call__(self, text, *args, **kwargs):
+        self.texts.append(text)
+        return self.inner(text, *args, **kwargs)
+
+    def __getattr__(self, name):   # the chat template, decode, ...: the real tokenizer's
+        return getattr(self.inner, name)
+
+
+class ContractBatchingEngine:
+    """Chapter 9's interface as the server uses it, over the tiny engine: new_request takes text or
+    token ids and refuses bad input, submit_all hands built requests over in one go, stats() counts
+    the scheduler's queue. It records what it was given."""
+
+    def __init__(self, inner, waiting: int = 0):
+        self.inner, self.context_length, self.waiting = inner, inner.context_length, waiting
+        self.tokenizer = CountingTokenizer(inner.tokenizer)
+        self.built, self.handed = [], []
+
+    def new_request(self, prompt, max_new_tokens, params=None):
+        self.built.append(prompt)
+        ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
+        params = contracts.SamplingParams.or_default(params)
+        budget = params.token_budget(max_new_tokens)
+        params.check_vocab(self.inner.vocab_size)
+        if len(ids) + budget > self.context_length:
+            raise ValueError(f"This model's maximum context length is {self.context_length} tokens "
+                             f"({len(ids)} in the prompt, {budget} for the completion).")
+        return self.inner.tokenizer.decode(ids), budget, params
+
+    def submit_all(self, requests):
+        self.handed.append(len(requests))
+        return [self.inner.generate_stream(*r) for r in requests]
+
+    def submit(self, prompt, max_new_tokens, params=None):
+        return self.submit_all([self.new_request(prompt, max_new_tokens, params)])[0]
+
+    def stats(self):
+        return {"waiting": self.waiting}
+
+
+def test_a_batching_engine_gets_each_prompt_tokenised_once(tiny_engine):
+    engine = ContractBatchingEngine(tiny_engine)
+    with TestClient(server.make_app(engine)) as c:
+        chat = c.post("/v1/chat/completions", json={"messages": HELLO})   # the default budget needs the length
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
+        prompt = chat_prompt(tiny_engine, HELLO)
+        assert engine.tokenizer.texts == [prompt]   # once, by the server; the engine got the ids
+        assert engine.built == [tiny_engine.tokenizer(prompt).input_ids] and engine.handed == [1]
+        streamed = c.post("/v1/completions", json={"prompt": "Sea", "max_tokens": 3, "stream": True})
+        assert sse_events(streamed.text)[-1] == "[DONE]"
+        listed = c.post("/v1/completions", json={"prompt": ["Hi", "Sky", "Sun"], "max_tokens": 3})
+        assert [ch["index"] for ch in listed.json()["choices"]] == [0, 1, 2]
+    assert engine.tokenizer.texts == [prompt, "Sea", "Hi", "Sky", "Sun"]
+    assert engine.handed == [1, 1, 3]   # a list goes in one go: its prompts join the same step
+
+
+def test_a_batching_engine_runs_nothing_of_a_list_it_refuses(tiny_engine):
+    engine = ContractBatchingEngine(tiny_engine)
+    with TestClient(server.make_app(engine)) as c:
+        resp = c.post("/v1/completions", json={"prompt": ["Hi", "Hello", "word " * 600], "max_tokens": 4})
+        assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
+        hot = c.post("/v1/completions", json={"prompt": ["Hi", "Hello"], "logit_bias": {"999999": 1}})
+        assert hot.status_code == 400
+    assert engine.handed == []
+
+
+def test_a_list_counts_whole_against_max_waiting_on_a_batching_engine(tiny_engine):
+    """The scheduler's queue is what --max-waiting bounds; a list adds all of its prompts to it."""
+    engine = ContractBatchingEngine(tiny_engine, waiting=1)
+    ops = ops_lib.ServerOps(max_waiting=2)
+    with TestClient(server.make_app(engine, ops=ops)) as c:
+        assert c.post("/v1/completions", json={"prompt": ["Hi", "Sea"], "max_tokens": 2}).status_code == 503
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert engine.handed == [1]
+
+
+def test_a_failing_prompt_cancels_its_siblings():
+    """all_or_nothing: when one answer of a list fails, the others stop (nobody will read them)."""
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def bad():
+        raise ValueError("refused")
+
+    async def run():
+        with pytest.raises(ValueError, match="refused"):
+            await server.all_or_nothing([slow(), bad()])
+        assert cancelled == [True]   # over before all_or_nothing returned
+    asyncio.run(run())
+
+
+def test_uvicorn_app_is_built_from_the_environment_on_first_call(tiny_model_dir, monkeypatch):
+    """`uvicorn 05_server:app`: importing the module loads no model, starting the app does, once."""
+    assert "__getattr__" not in vars(server) and server.app.app is None
+    monkeypatch.setenv("ENGINE_CLASS", "04_engine:BaselineEngine")
+    monkeypatch.setenv("ENGINE_MODEL", str(tiny_model_dir))
+    builds = []
+    app = ops_lib.LazyApp(lambda: builds.append(1) or server.app_from_env())
+    with TestClient(app) as c:   # the lifespan startup is its first call
+        assert builds == [1]
+        assert c.get("/v1/models").json()["data"][0]["id"] == str(tiny_model_dir)
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert builds == [1]

@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import load_script
+from kit import cli
 from test_server import asgi_request
 
 server = load_script("05_server")
@@ -181,7 +182,7 @@ def test_max_waiting_bounds_the_schedulers_queue(tiny_model_dir):
 
 
 def test_a_list_counts_against_max_waiting_and_leaves_nothing_behind(tiny_model_dir):
-    """A list's prompts are admitted one by one: each counts as waiting until the scheduler has it."""
+    """A list is admitted whole: all of its prompts count against the scheduler's queue."""
     engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
                                          max_num_seqs=1, max_num_batched_tokens=64)
     with TestClient(server.make_app(engine, ops=server_ops.ServerOps(max_waiting=1))) as client:
@@ -204,9 +205,8 @@ def test_each_prompt_of_a_list_gets_its_own_default_budget(cb_engine):
 
 
 def test_engine_flags_reach_the_engine_and_are_refused_by_others(tiny_model_dir):
-    args = server.argparse.Namespace(kv_memory="2MB", max_num_seqs=4, max_num_batched_tokens=None,
-                                     prefix_caching=True)
-    options = server.engine_options(args)
+    args = server.arguments().parse_args(["--kv-memory", "2MB", "--max-num-seqs", "4", "--prefix-caching"])
+    options = cli.engine_options(args)
     assert options == {"kv_memory": 2 << 20, "max_num_seqs": 4, "prefix_caching": True}
     engine = engine_lib.load_engine("13_continuous_batching:ContinuousBatchingEngine", str(tiny_model_dir),
                                     device="cpu", **options)
@@ -247,25 +247,3 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
         stats = httpx.get(f"{url}/engine/stats").json()
     assert answers == expected
     assert max(stats["batch_sizes"]) > 1 and stats["kv_blocks_used"] == 0
-
-
-def test_a_failing_prompt_cancels_its_siblings():
-    """all_or_nothing: when one answer of a list fails, the others stop (nobody will read them)."""
-    cancelled = []
-
-    async def slow():
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
-    async def bad():
-        raise ValueError("refused")
-
-    async def run():
-        with pytest.raises(ValueError, match="refused"):
-            await server.all_or_nothing([slow(), bad()])
-        await asyncio.sleep(0)            # let the cancellation land
-    asyncio.run(run())
-    assert cancelled == [True]

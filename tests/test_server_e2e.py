@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib
-
 import json
+import os
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from conftest import load_script
+from conftest import REPO_ROOT, load_script
 
 openai = pytest.importorskip("openai")
 render_chat = load_script("04_engine").render_chat
@@ -175,6 +178,27 @@ def test_a_client_hanging_up_mid_stream_frees_the_server(base_url):
                 break   # leaving the block closes the connection mid-generation
     assert all(e["object"] == "text_completion" for e in events)
     assert ask(base_url, "Are you free?", max_tokens=2) is not None
+
+
+def test_uvicorn_serves_the_module_level_app(tiny_model_dir):
+    """`uvicorn 05_server:app`, as the README runs it: the engine named by ENGINE_CLASS and ENGINE_MODEL."""
+    port = launcher.free_port()
+    env = {**os.environ, "ENGINE_CLASS": "04_engine:BaselineEngine", "ENGINE_MODEL": str(tiny_model_dir),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "05_server:app", "--port", str(port)], cwd=REPO_ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not launcher.healthy(url):
+            assert proc.poll() is None and time.monotonic() < deadline, "uvicorn did not come up"
+            time.sleep(0.25)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == str(tiny_model_dir)
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.real_model

@@ -83,6 +83,34 @@ def test_metrics_count_exactly_the_tokens_served(tiny_engine):
     assert values[("llm_requests_waiting", ())] == 0 and values[("llm_requests_running", ())] == 0
 
 
+FEATURES = {"quant": "int8", "prefix_caching": True, "kv_memory": 512 << 20, "block_size": 16,
+            "max_num_seqs": 32, "max_num_batched_tokens": 256}
+
+
+class FeaturedEngine:
+    """The tiny engine, reporting features as the engines on our own model do."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def features(self) -> dict:
+        return dict(FEATURES)
+
+
+def test_engine_features_show_in_stats_and_metrics(tiny_engine):
+    with TestClient(server.make_app(FeaturedEngine(tiny_engine))) as c:
+        assert c.get("/engine/stats").json()["features"] == FEATURES
+        values = metric_values(c.get("/metrics").text)
+    labels = tuple(sorted((k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in FEATURES.items()))
+    assert values[("llm_engine_features", labels)] == 1   # an info metric: the settings are its labels
+    with TestClient(server.make_app(tiny_engine)) as c:   # Chapter 1's engine has no features()
+        assert "features" not in c.get("/engine/stats").json()
+        assert "llm_engine_features" not in c.get("/metrics").text
+
+
 class GatedEngine:
     """An engine whose generate waits until the test opens the gate: a deterministic 'slow' engine."""
 

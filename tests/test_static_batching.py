@@ -80,7 +80,7 @@ def test_rows_that_end_early(batch_mod, tiny_batch, reference_prompts, monkeypat
     # The random tiny model never picks the real EOS: declare a token of row 0's output to be EOS,
     # and give row 2 a stop string from its own output, so rows stop at different steps.
     eos = tiny_batch.generate(reference_prompts[0], 12).output_ids[3]
-    monkeypatch.setattr(tiny_batch, "eos_token_ids", {eos})
+    monkeypatch.setattr(tiny_batch.output, "eos_token_ids", {eos})   # the output processor decides
     stop = tiny_batch.tokenizer.decode(tiny_batch.generate(reference_prompts[2], 12).output_ids[6:8])
     params = batch_mod.SamplingParams(stop=(stop,))
     batched = tiny_batch.generate_batch(reference_prompts, 12, params)

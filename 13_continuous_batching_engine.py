@@ -1,16 +1,28 @@
-"""13_continuous_batching.py - Chapter 9: continuous batching. Requests join and leave every step.
+"""13_continuous_batching_engine.py - Chapter 9: continuous batching. Requests join and leave every step.
 
 Static batching (Chapter 5) takes a batch, runs it until its longest member is done,
 and only then looks at the queue again. A continuous-batching engine looks at the
 queue before *every* step: the scheduler (13_scheduler.py) fills one ragged batch with
 each running request's next token and, while the token budget and the KV pool allow,
 chunks of new prompts. A request that finishes leaves at once; its blocks go to the
-next one in line. The model (Chapter 6) and the paged KV pool (Chapter 7) are reused
-unchanged: one step is one `forward` over whatever the scheduler picked.
+next one in line.
 
-    python 13_continuous_batching.py                  # a mixed workload, traced step by step
-    python 13_continuous_batching.py --plot ch9.png   # the schedule as a timeline, vs static batching
-    python 05_server.py --engine 13_continuous_batching:ContinuousBatchingEngine   # live users share steps
+This is the book's engine assembled. Every part comes from its own chapter and is composed,
+not rewritten: the output processor (Chapter 2), the model runner (Chapter 6: one step is
+prepare -> forward -> sample over whatever the scheduler picked), the KV pool and block
+manager (Chapter 7), the prefix cache (Chapter 8), the scheduler (13_scheduler.py), and
+weights in any format (Chapter 12). Each feature is a keyword of the constructor, with the
+same name as the flag of 05_server.py and of both benchmarks:
+
+    quant, group_size, quant_head   weight format: None (float32), "bf16", "int8", "int4"
+    prefix_caching                  share the K/V blocks of prompt prefixes seen before
+    kv_memory, block_size           the KV pool: bytes, and tokens per block
+    max_num_seqs                    sequences in one step, at most
+    max_num_batched_tokens          tokens in one step, at most (the prefill chunk size)
+
+    python 13_continuous_batching_engine.py --quant int8 --prefix-caching   # one prompt, as 04_engine.py
+    python 13_continuous_batching_demo.py                # a mixed workload, traced step by step
+    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --quant int8 --prefix-caching
 
 For live traffic `submit()` hands a request to a background thread that steps the
 scheduler while there is work; the caller reads text pieces, then the GenerateResult,
@@ -29,65 +41,73 @@ from collections.abc import Iterator
 
 import torch
 
-engine04 = importlib.import_module("04_engine")
+from kit import cli
 from kit import threads as cpu_threads
+
+engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
+engine11 = importlib.import_module("11_paged_kv_engine")
 prefix12 = importlib.import_module("12_prefix_cache")
 scheduler13 = importlib.import_module("13_scheduler")
 SamplingParams, GenerateResult = engine04.SamplingParams, engine04.GenerateResult
 Request = scheduler13.Request
 
 
-class ContinuousBatchingEngine(paged.PagedEngine):
-    """Chapter 9: a scheduler picks every step's batch; the same interface as every engine before."""
+class ContinuousBatchingEngine(engine11.PagedEngine):
+    """Chapter 9: a scheduler picks every step's batch; every earlier chapter's feature is a switch."""
 
+    # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, kv_memory: int = paged.DEFAULT_KV_MEMORY,
                  block_size: int = paged.DEFAULT_BLOCK_SIZE, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 256, prefix_caching: bool = False):
+                 max_num_batched_tokens: int = 256, prefix_caching: bool = False,
+                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto"):
         scheduler13.Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)   # before loading a model
-        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size)
-        self.prefix_caching = prefix_caching
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         if prefix_caching:   # Chapter 8: admission shares a cached prefix; each step publishes full blocks
-            self.blocks = prefix12.PrefixCachingBlockManager(self.pool.num_blocks, block_size)
+            self.block_manager = prefix12.PrefixCachingBlockManager
+        # Chapters 6, 7 and 12: tokenizer, output processor, model runner on a KV pool, block manager
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head)
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.on_step = None                  # the demo's tracer: called with each step's record
         self.recent_batches: collections.deque = collections.deque(maxlen=64)
         self._cv, self._inbox, self._aborts, self._closing = threading.Condition(), [], set(), False
         self._thread: threading.Thread | None = None
         self._by_id: dict[int, Request] = {}
+    # --8<-- [end:init]
 
-    def new_request(self, prompt: str, max_new_tokens: int, params: SamplingParams | None) -> Request:
-        """Validate and tokenize now, in the caller's thread: a bad request never enters the scheduler."""
-        params = SamplingParams.or_default(params)
-        budget = params.token_budget(max_new_tokens)
-        ids = self._encode_ids(prompt, budget)
-        return Request(next(self._ids), ids, self.new_sequence(params, budget, len(ids), ids))
+    @property
+    def prefix_caching(self) -> bool:
+        return self.blocks.caches_prefixes
+
+    def features(self) -> dict:
+        return {**super().features(), "max_num_batched_tokens": self.scheduler.max_num_batched_tokens}
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
+        if self.blocks.tables or self.scheduler.has_work():
+            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
+        self.blocks = self.scheduler.blocks = type(self.blocks)(self.blocks.num_blocks, self.blocks.block_size)
 
     # --8<-- [start:step]
     def step(self) -> list[tuple[Request, str]]:
-        """One scheduler decision, one forward, one token for each request whose known tokens are all
-        computed. Returns (request, new text) for those; finished requests have left the scheduler."""
+        """One scheduler decision, one step of the model runner, one token for each request whose
+        known tokens are all computed. Returns (request, new text) for those; finished requests
+        have left the scheduler."""
         work = self.scheduler.schedule()
         if not work.requests:
             return []
-        batch = paged.PagedBatch.from_tables(
-            [r.tokens(s, n) for r, s, n in zip(work.requests, work.starts, work.lengths)],
-            [self.blocks.tables[r.id] for r in work.requests], work.starts, self.pool.block_size, self.device)
-        logits = self.model.forward(batch, self.pool)
-        ready = []
-        for i, (r, n) in enumerate(zip(work.requests, work.lengths)):
-            r.num_computed += n
-            if self.prefix_caching:               # its blocks that are full now can serve later prompts
-                self.blocks.cache_computed(r.id, r.tokens(0, r.num_computed))
-            if r.num_computed == r.num_tokens:    # a prefill's middle chunk predicts nothing yet
-                ready.append(i)
-        tokens = self.sample(logits[ready], [work.requests[i].seq for i in ready]) if ready else []
+        tokens = self.runner.step(work.requests, work.starts, work.lengths,
+                                  [self.blocks.tables[r.id] for r in work.requests])
         now, events = time.perf_counter(), []
-        for i, token in zip(ready, tokens):
-            r = work.requests[i]
-            events.append((r, self.accept(r.seq, token, now)))
-            if r.seq.finish_reason:
+        for r, n, token in zip(work.requests, work.lengths, tokens):
+            r.num_computed += n
+            self.blocks.cache_computed(r.id, r.tokens(0, r.num_computed))   # a prefix cache publishes full blocks
+            if token is None:                     # a prefill's middle chunk predicts nothing yet
+                continue
+            events.append((r, self.output.accept(r, token, now)))
+            if r.finish_reason:
                 self.scheduler.finish(r)          # leaves now: its blocks serve the next step
         self.recent_batches.append(len(work.requests))
         if self.on_step:
@@ -95,19 +115,17 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         return events
     # --8<-- [end:step]
 
-    def request_result(self, r: Request) -> GenerateResult:
-        result = self.result(r.seq, r.arrival)
-        result.metrics.queue_ms = ((r.admitted or r.arrival) - r.arrival) * 1e3
-        result.metrics.cached_tokens = r.cached_tokens
-        return result
-
     # --8<-- [start:loop]
     def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
         """Queue one request for the engine loop; iterate the answer: text pieces, then the
         GenerateResult. Closing the iterator early aborts the request."""
-        r = self.new_request(prompt, max_new_tokens, params)
-        self._hand_over([r])
-        return RequestStream(self, r)
+        return self.submit_all([self.new_request(prompt, max_new_tokens, params)])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestStream]:
+        """Hand requests built by new_request (all checked already) to the loop in one go:
+        they join the same step."""
+        self._hand_over(requests)
+        return [RequestStream(self, r) for r in requests]
 
     def _hand_over(self, requests: list[Request]) -> None:
         """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
@@ -165,9 +183,9 @@ class ContinuousBatchingEngine(paged.PagedEngine):
                 for r, piece in self.step():
                     if piece:
                         r.sink.put(("piece", piece))
-                    if r.seq.finish_reason:
+                    if r.finish_reason:
                         self._by_id.pop(r.id, None)
-                        r.sink.put(("done", self.request_result(r)))
+                        r.sink.put(("done", self.output.result(r)))
             except Exception as exc:              # fail what was in flight, never the loop itself
                 self._fail_in_flight(exc)
     # --8<-- [end:loop]
@@ -207,9 +225,9 @@ class ContinuousBatchingEngine(paged.PagedEngine):
         """Every prompt enters the scheduler at once; each leaves the step it finishes."""
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings")
-        requests = [self.new_request(p, max_new_tokens, params) for p in prompts]   # all checked first
-        self._hand_over(requests)
-        streams = [RequestStream(self, r) for r in requests]
+        t0 = time.perf_counter()
+        streams = self.submit_all([self.new_request(p, max_new_tokens, params, arrival=t0)   # all checked first
+                                   for p in prompts])
         try:
             return [s.result() for s in streams]
         finally:              # one failed, or the caller was interrupted: nothing keeps running
@@ -261,7 +279,7 @@ class RequestStream:
 
     def close(self) -> None:
         """Abort the request unless it already finished: its blocks are freed at the next step."""
-        if not self.done and self.request.seq.finish_reason is None:
+        if not self.done and self.request.finish_reason is None:
             self.engine.abort(self.request.id)
 
     cancel = close
@@ -274,5 +292,14 @@ class RequestStream:
             pass
 
 
+def main() -> None:
+    parser = engine04.demo_parser("Chapter 9: the assembled engine, every feature a switch.")
+    cli.add_engine_options(parser)
+    args = parser.parse_args()
+    engine, _, _ = engine04.demo(ContinuousBatchingEngine, args, **cli.engine_options(args))
+    print(f"  {'features':<15} {engine.features()}")
+    engine.close()
+
+
 if __name__ == "__main__":
-    importlib.import_module("13_continuous_batching_demo").main()
+    main()

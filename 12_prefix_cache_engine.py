@@ -1,0 +1,77 @@
+"""12_prefix_cache_engine.py - Chapter 8's engine: Chapter 7's engine with a block manager that remembers.
+
+Nothing in Chapter 7's loop changes. Its block manager is swapped for the prefix-caching one
+(12_prefix_cache.py): admission asks it for blocks and it answers with how many leading tokens
+already have their keys and values, so the prefill starts after them; after every step the
+blocks that became full are published for later prompts.
+
+    python 12_prefix_cache_engine.py                           # one prompt, as 04_engine.py
+    python 12_prefix_cache_demo.py                             # a shared system prompt: TTFT on/off
+    python 05_server.py --engine 12_prefix_cache_engine:PrefixCachingEngine
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kit import cli
+
+engine04 = importlib.import_module("04_engine")
+paged = importlib.import_module("11_paged_kv")
+engine11 = importlib.import_module("11_paged_kv_engine")
+prefix12 = importlib.import_module("12_prefix_cache")
+
+
+# --8<-- [start:engine]
+class PrefixCachingEngine(engine11.PagedEngine):
+    """Chapter 7's engine; a prompt's cached prefix is shared, not recomputed."""
+
+    block_manager = prefix12.PrefixCachingBlockManager
+
+    def __init__(self, model_name: str | None = None, device: str | None = None,
+                 dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
+                 kv_memory: int = paged.DEFAULT_KV_MEMORY, block_size: int = paged.DEFAULT_BLOCK_SIZE,
+                 prefix_caching: bool = True, quant: str | None = None, group_size: int = 32,
+                 quant_head: str = "auto"):
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head)
+        self.prefix_caching = prefix_caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.blocks.caches_prefixes
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        """Off is Chapter 7's block manager, for comparisons in one process: a fresh one either way."""
+        if not isinstance(on, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {on!r}")
+        if self.blocks.tables:
+            raise RuntimeError("cannot switch prefix caching while requests hold blocks")
+        manager = prefix12.PrefixCachingBlockManager if on else paged.BlockManager
+        self.blocks = manager(self.pool.num_blocks, self.pool.block_size)
+# --8<-- [end:engine]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
+        self.prefix_caching = self.prefix_caching
+
+    def stats(self) -> dict:
+        if not self.prefix_caching:
+            return super().stats()
+        b = self.blocks
+        return {**super().stats(), "prefix_cache_hit_rate": round(b.hit_rate, 4),
+                "prefix_cache_blocks": len(b.content), "kv_blocks_evictable": len(b.evictable)}
+
+
+def main() -> None:
+    parser = engine04.demo_parser("Chapter 8: Chapter 7's engine with a prefix cache.")
+    cli.add_engine_options(parser, only=("quant", "group_size", "quant_head", "kv_memory", "block_size",
+                                         "max_num_seqs"))
+    args = parser.parse_args()
+    engine04.demo(PrefixCachingEngine, args, **cli.engine_options(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""kit/plugins.py - features a later chapter supplies, found by name when an engine is built.
+
+The assembled engine of Chapter 9 takes `quant="int8"`, but weight formats are Chapter 12's
+lesson: Chapter 9 must not import Chapter 12. vLLM solves the same problem with a registry of
+quantisation methods looked up by name; here it is one table of `module:attribute` specs,
+resolved the way `--engine module:Class` is, and only when a feature is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# feature -> where its implementation lives (module:attribute)
+PLUGINS = {
+    "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
+}
+
+
+def load_object(spec: str):
+    """The attribute a 'module:attribute' spec names; ValueError if there is none."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or module_name.startswith("."):
+        raise ValueError(f"a spec must look like 'module:attribute', got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from exc
+
+
+def plugin(feature: str):
+    """The implementation of a feature named in PLUGINS."""
+    return load_object(PLUGINS[feature])

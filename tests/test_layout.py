@@ -1,0 +1,537 @@
+"""The repository's layout rules, checked statically on the source (nothing is imported).
+
+Modules here are the numbered scripts at the top level (`NN_name.py`, the book's steps) and
+the modules of the `kit/` package (the shared toolbox). An import edge is `import X`,
+`from X import ...` (`from kit import cli` is an edge to `kit.cli`), or a call
+`importlib.import_module("literal")` (or `__import__("literal")`) anywhere in a file,
+including inside functions, whose target is one of those modules.
+
+The rules (README, "Layout: where things live"):
+
+- no import loops among these modules;
+- chapter NN imports only numbered scripts numbered <= NN (and `kit`);
+- `kit` imports no numbered script;
+- no module-level `__getattr__` (PEP 562 shims hide where things live);
+- every numbered script defines its own `main()` and ends with the
+  `if __name__ == "__main__": main()` idiom;
+- an `--engine` spec `module:Class` (in the README, the book, scripts/ and tests/) names the
+  file that defines the engine class, after the old-spec table `MOVED_ENGINES` in
+  `04_engine.py` (when there is one) has been applied.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+KIT = "kit"
+ENGINE_ROOT_CLASS = "BaseOfflineEngine"
+LOADER = "04_engine"          # the engine loader's module, home of MOVED_ENGINES
+ALIAS_TABLE = "MOVED_ENGINES"
+NUMBERED = re.compile(r"^(\d\d)_\w+$")
+# A spec such as `10_model:ModelEngine`: a numbered module, a colon, a class name.
+SPEC = re.compile(r"(?<![\w.])(\d\d_\w+):([A-Za-z_]\w*)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the source
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Module:
+    name: str                      # "04_engine", "kit", "kit.cli"
+    path: Path
+    tree: ast.Module
+    is_package: bool = False
+    imports: dict[str, list[int]] = field(default_factory=dict)   # target module -> line numbers
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(REPO_ROOT).as_posix()
+
+    @property
+    def numbered(self) -> bool:
+        return NUMBERED.match(self.name) is not None
+
+
+def chapter_number(name: str) -> int:
+    """A number that orders chapters: scripts 01-06 are all Chapter 1 (they may import each other);
+    from 07 on, script numbers rise with chapter order."""
+    return 1 if int(name[:2]) <= 6 else int(name[:2])
+
+
+def _module_files() -> dict[str, tuple[Path, bool]]:
+    files: dict[str, tuple[Path, bool]] = {}
+    for path in sorted(REPO_ROOT.glob("[0-9][0-9]_*.py")):
+        files[path.stem] = (path, False)
+    kit_dir = REPO_ROOT / KIT
+    for path in sorted(kit_dir.rglob("*.py")):
+        parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        files[".".join(parts)] = (path, is_package)
+    return files
+
+
+@functools.lru_cache(maxsize=None)
+def modules() -> dict[str, Module]:
+    """Every numbered script and kit module, parsed, with its import edges."""
+    found: dict[str, Module] = {}
+    broken = []
+    for name, (path, is_package) in _module_files().items():
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except SyntaxError as exc:
+            broken.append(f"{path.relative_to(REPO_ROOT)}:{exc.lineno}: {exc.msg}")
+            continue
+        found[name] = Module(name, path, tree, is_package)
+    assert not broken, "cannot parse:\n  " + "\n  ".join(broken)
+    for module in found.values():
+        module.imports = _import_edges(module, set(found))
+    return found
+
+
+def _resolve_relative(module: Module, level: int, target: str | None) -> str:
+    package = module.name.split(".") if module.is_package else module.name.split(".")[:-1]
+    if level > 1:
+        package = package[: len(package) - (level - 1)]
+    return ".".join(package + ([target] if target else []))
+
+
+def _known(name: str, known: set[str]) -> str | None:
+    """The module `name` or its longest enclosing module among the known ones."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in known:
+            return candidate
+    return None
+
+
+def _import_module_aliases(tree: ast.Module) -> set[str]:
+    """Names bound to importlib.import_module (`from importlib import import_module as im`)."""
+    return {alias.asname or alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "importlib" and not node.level
+            for alias in node.names if alias.name == "import_module"}
+
+
+def _literal_import_call(node: ast.Call, aliases: set[str] = frozenset()) -> tuple[str, str | None] | None:
+    """`importlib.import_module("x")`, `import_module("x", package="p")`, `__import__("x")`."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if isinstance(func, ast.Name) and name in aliases:
+        name = "import_module"
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return None
+    package = None
+    package_node = node.args[1] if name == "import_module" and len(node.args) > 1 else None
+    for keyword in node.keywords:
+        if keyword.arg == "package":
+            package_node = keyword.value
+    if isinstance(package_node, ast.Constant) and isinstance(package_node.value, str):
+        package = package_node.value
+    return first.value, package
+
+
+def _import_edges(module: Module, known: set[str]) -> dict[str, list[int]]:
+    edges: dict[str, list[int]] = {}
+
+    def add(target: str | None, line: int) -> None:
+        if target is not None:   # a module importing itself counts: it is a loop too
+            edges.setdefault(target, []).append(line)
+
+    aliases = _import_module_aliases(module.tree)
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(_known(alias.name, known), node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(module, node.level, node.module) if node.level else (node.module or "")
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}" if base else alias.name
+                if alias.name != "*" and submodule in known:
+                    add(submodule, node.lineno)
+                else:
+                    add(_known(base, known), node.lineno)
+        elif isinstance(node, ast.Call):
+            call = _literal_import_call(node, aliases)
+            if call is None:
+                continue
+            target, package = call
+            if target.startswith("."):
+                if package is None:
+                    continue
+                level = len(target) - len(target.lstrip("."))
+                parts = package.split(".")
+                parts = parts[: len(parts) - (level - 1)] if level > 1 else parts
+                rest = target.lstrip(".")
+                target = ".".join(parts + ([rest] if rest else []))
+            add(_known(target, known), node.lineno)
+    return edges
+
+
+def _edge(source: Module, target: str) -> str:
+    lines = ", ".join(str(line) for line in sorted(set(source.imports[target])))
+    return f"{source.name} -> {target}  ({source.rel}:{lines})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Imports
+# ---------------------------------------------------------------------------------------------
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle path (first node repeated at the end) per strongly connected loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:   # Tarjan's algorithm; the graph is small
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+
+    cycles = []
+    for component in components:
+        start = component[0]
+        if len(component) == 1 and start not in graph.get(start, ()):
+            continue
+        members = set(component)
+        # Shortest path back to `start` inside the component (breadth-first).
+        parents: dict[str, str] = {}
+        frontier = [start]
+        end = None
+        while frontier and end is None:
+            following = []
+            for node in frontier:
+                for nxt in sorted(graph.get(node, ())):
+                    if nxt not in members:
+                        continue
+                    if nxt == start:
+                        end = node
+                        break
+                    if nxt not in parents:
+                        parents[nxt] = node
+                        following.append(nxt)
+                if end is not None:
+                    break
+            frontier = following
+        path = [start]
+        node = end
+        while node != start:
+            path.append(node)
+            node = parents[node]
+        path = [start] + path[1:][::-1] + [start]
+        cycles.append(path)
+    return cycles
+
+
+def test_no_import_loops():
+    mods = modules()
+    graph = {name: set(module.imports) for name, module in mods.items()}
+    cycles = _cycles(graph)
+    report = []
+    for cycle in cycles:
+        report.append(" -> ".join(cycle))
+        report.extend("      " + _edge(mods[a], b) for a, b in zip(cycle, cycle[1:]))
+    assert not cycles, (f"{len(cycles)} import loop(s) among the numbered scripts and kit "
+                        "(one path per loop; break it so each module only imports what comes before it):\n  "
+                        + "\n  ".join(report))
+
+
+def test_chapters_import_only_earlier_chapters():
+    offenders = []
+    for module in modules().values():
+        if not module.numbered:
+            continue
+        for target in sorted(module.imports):
+            if NUMBERED.match(target) and chapter_number(target) > chapter_number(module.name):
+                offenders.append(f"{_edge(module, target)}: {target[:2]} > {module.name[:2]}")
+    assert not offenders, ("a numbered script may import only numbered scripts at or before it "
+                           "(and kit); these reach forward:\n  " + "\n  ".join(offenders))
+
+
+def test_kit_imports_no_numbered_script():
+    offenders = [_edge(module, target)
+                 for module in modules().values() if not module.numbered
+                 for target in sorted(module.imports) if NUMBERED.match(target)]
+    assert not offenders, ("kit is the toolbox every chapter shares: it must import no numbered "
+                           "script (statically or through importlib):\n  " + "\n  ".join(offenders))
+
+
+# ---------------------------------------------------------------------------------------------
+# Module shape
+# ---------------------------------------------------------------------------------------------
+
+def _module_scope(body: list[ast.stmt]):
+    """Statements that run at module level, also inside top-level if/try/with/for blocks."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for attr in ("body", "orelse", "finalbody"):
+            yield from _module_scope(getattr(node, attr, []) or [])
+        for handler in getattr(node, "handlers", []) or []:
+            yield from _module_scope(handler.body)
+        for case in getattr(node, "cases", []) or []:
+            yield from _module_scope(case.body)
+
+
+def _binds(node: ast.stmt, name: str) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return node.name == name
+    targets = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        targets = [node.target]
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names)
+    return any(isinstance(sub, ast.Name) and sub.id == name
+               for target in targets for sub in ast.walk(target))
+
+
+def test_no_module_getattr_shims():
+    offenders = [f"{module.rel}:{node.lineno}"
+                 for module in modules().values()
+                 for node in _module_scope(module.tree.body) if _binds(node, "__getattr__")]
+    assert not offenders, ("module-level __getattr__ (a PEP 562 shim) hides where a name lives; "
+                           "import it from the file that defines it instead:\n  " + "\n  ".join(offenders))
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)):
+        return False
+    test = node.test
+    if len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
+
+
+def _calls_own_main(stmt: ast.stmt) -> bool:
+    """`main()`, `sys.exit(main())` or `raise SystemExit(main())`."""
+    if isinstance(stmt, ast.Expr):
+        call = stmt.value
+    elif isinstance(stmt, ast.Raise):
+        call = stmt.exc
+    else:
+        return False
+    if not isinstance(call, ast.Call):
+        return False
+    if isinstance(call.func, ast.Name) and call.func.id == "main":
+        return True
+    exits = ((isinstance(call.func, ast.Attribute) and call.func.attr == "exit")
+             or (isinstance(call.func, ast.Name) and call.func.id in ("SystemExit", "exit")))
+    return (exits and len(call.args) == 1 and isinstance(call.args[0], ast.Call)
+            and isinstance(call.args[0].func, ast.Name) and call.args[0].func.id == "main"
+            and not call.args[0].args and not call.args[0].keywords)
+
+
+def test_every_numbered_script_has_its_own_main():
+    offenders = []
+    for module in modules().values():
+        if not module.numbered:
+            continue
+        body = module.tree.body
+        defs = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        if not defs:
+            offenders.append(f"{module.rel}: no top-level `def main(`")
+        rebinds = [n for n in _module_scope(body) if _binds(n, "main") and n not in defs]
+        if rebinds:
+            offenders.append(f"{module.rel}:{rebinds[0].lineno}: `main` rebound at module level "
+                             "(it must be this file's own function)")
+        last = body[-1] if body else None
+        if last is None or not _is_main_guard(last):
+            offenders.append(f"{module.rel}: does not end with `if __name__ == \"__main__\": main()`")
+        elif not _calls_own_main(last.body[-1]) or last.orelse:
+            offenders.append(f"{module.rel}:{last.lineno}: the `__main__` block must end by calling "
+                             "this file's own main() (got: "
+                             f"{ast.unparse(last.body[-1]).splitlines()[0][:80]})")
+    assert not offenders, ("every numbered script defines a top-level main() and ends with "
+                           "`if __name__ == \"__main__\": main()`:\n  " + "\n  ".join(offenders))
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines live in the file their --engine spec names
+# ---------------------------------------------------------------------------------------------
+
+def _base_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Subscript):          # Generic[T] and the like
+        node = node.value
+    if isinstance(node, ast.Attribute):          # engine04.BaselineEngine
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return None
+
+
+def _top_level_classes(module: Module) -> dict[str, ast.ClassDef]:
+    return {node.name: node for node in module.tree.body if isinstance(node, ast.ClassDef)}
+
+
+@functools.lru_cache(maxsize=None)
+def engine_classes() -> frozenset[str]:
+    """Names of the classes whose bases chain, by name across the repo's source, to BaseOfflineEngine."""
+    bases: dict[str, set[str]] = {}
+    for module in modules().values():
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(
+                    name for name in map(_base_name, node.bases) if name)
+
+    @functools.lru_cache(maxsize=None)
+    def is_engine(name: str, seen: frozenset = frozenset()) -> bool:
+        if name == ENGINE_ROOT_CLASS:
+            return True
+        if name in seen:
+            return False
+        return any(is_engine(base, seen | {name}) for base in bases.get(name, ()))
+
+    return frozenset(name for name in bases if name != ENGINE_ROOT_CLASS and is_engine(name))
+
+
+# What a static table may be built from: literals, f-strings, `+`, `**` and comprehensions
+# over literals. No calls, no attributes, no names from outside the expression.
+_STATIC_NODES = (ast.Expression, ast.Dict, ast.DictComp, ast.ListComp, ast.SetComp, ast.comprehension,
+                 ast.Tuple, ast.List, ast.Set, ast.Constant, ast.JoinedStr, ast.FormattedValue,
+                 ast.Name, ast.Load, ast.Store, ast.BinOp, ast.Add)
+
+
+def _static_value(node: ast.expr):
+    """The value of a constant expression such as a dict built with ** and a comprehension."""
+    expression = ast.Expression(node)
+    for sub in ast.walk(expression):
+        if not isinstance(sub, _STATIC_NODES):
+            raise ValueError(f"it uses {type(sub).__name__} at line {getattr(sub, 'lineno', '?')}")
+    bound = {t.id for sub in ast.walk(expression) if isinstance(sub, ast.comprehension)
+             for t in ast.walk(sub.target) if isinstance(t, ast.Name)}
+    free = {sub.id for sub in ast.walk(expression)
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in bound}
+    if free:
+        raise ValueError(f"it reads the name(s) {', '.join(sorted(free))}")
+    try:
+        return eval(compile(ast.fix_missing_locations(expression), "<static>", "eval"), {"__builtins__": {}})
+    except Exception as exc:   # e.g. a comprehension over a literal that does not iterate
+        raise ValueError(str(exc)) from None
+
+
+def _alias_table() -> tuple[dict[str, str], list[str]]:
+    """MOVED_ENGINES from 04_engine.py (old spec -> new spec), or {} while there is none."""
+    loader = modules().get(LOADER)
+    if loader is None:
+        return {}, []
+    for node in _module_scope(loader.tree.body):
+        value = None
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == ALIAS_TABLE
+                                                for t in node.targets):
+            value = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and node.target.id == ALIAS_TABLE:
+            value = node.value
+        if value is None:
+            continue
+        where = f"{loader.rel}:{node.lineno}"
+        try:
+            table = _static_value(value)
+        except ValueError as exc:
+            return {}, [f"{where}: {ALIAS_TABLE} cannot be read without running 04_engine.py ({exc}); "
+                        "keep it a dict of strings (f-strings, ** and comprehensions over literals are fine)"]
+        if not (isinstance(table, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in table.items())):
+            return {}, [f"{where}: {ALIAS_TABLE} must be a dict of 'module:Class' -> 'module:Class'"]
+        return table, []
+    return {}, []
+
+
+def _spec_sources() -> list[Path]:
+    paths = [REPO_ROOT / "README.md"]
+    paths += sorted((REPO_ROOT / "book").rglob("*.md"))
+    paths += sorted((REPO_ROOT / "scripts").glob("*.py"))
+    paths += sorted((REPO_ROOT / "tests").glob("*.py"))
+    return [p for p in paths if p.is_file()]
+
+
+def _found_specs(engines: frozenset[str]) -> dict[str, list[str]]:
+    """Engine specs in the docs, scripts and tests: spec -> where ('path:line').
+
+    A spec counts when its class is an engine class somewhere in the repo or is named
+    `...Engine`; the tests' deliberately wrong specs (`04_engine:NoSuchClass`) and
+    `05_server:app` are not engines.
+    """
+    found: dict[str, list[str]] = {}
+    for path in _spec_sources():
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for match in SPEC.finditer(line):
+                cls = match.group(2)
+                if cls in engines or cls.endswith("Engine"):
+                    found.setdefault(match.group(0), []).append(f"{path.relative_to(REPO_ROOT)}:{lineno}")
+    return found
+
+
+def test_engines_live_in_the_file_their_spec_names():
+    mods = modules()
+    engines = engine_classes()
+    table, problems = _alias_table()
+    specs = _found_specs(engines)
+    for old, new in table.items():   # the table's targets must resolve too
+        specs.setdefault(new, []).append(f"{LOADER}.py {ALIAS_TABLE}[{old!r}]")
+
+    by_target: dict[str, list[str]] = {}   # resolved spec -> the specs (and where) that lead to it
+    for spec in sorted(specs):
+        resolved, hops = spec, [spec]
+        while resolved in table and len(hops) <= len(table):
+            resolved = table[resolved]
+            hops.append(resolved)
+        uses = specs[spec]
+        where = ", ".join(uses[:3]) + (f", ... {len(uses) - 3} more" if len(uses) > 3 else "")
+        via = f"{' -> '.join(hops)} via {ALIAS_TABLE}" if len(hops) > 1 else spec
+        by_target.setdefault(resolved, []).append(f"{via} [in {where}]")
+
+    offenders = list(problems)
+    for target in sorted(by_target):
+        module_name, _, cls = target.partition(":")
+        module = mods.get(module_name)
+        if module is None or not module.numbered:
+            problem = f"there is no numbered script {module_name}.py"
+        elif cls not in _top_level_classes(module):
+            homes = [m.rel for m in mods.values() if cls in _top_level_classes(m)]
+            problem = f"{module_name}.py does not define class {cls} at top level" + (
+                f" (it is defined in {', '.join(homes)})" if homes else "")
+        elif cls not in engines:
+            problem = f"{cls} in {module_name}.py is not an engine (its bases do not reach {ENGINE_ROOT_CLASS})"
+        else:
+            continue
+        offenders.append(f"{target}: {problem}\n      " + "\n      ".join(by_target[target]))
+    assert not offenders, ("an --engine spec 'module:Class' must name the file that defines the "
+                           f"engine (old specs resolve through {ALIAS_TABLE} in {LOADER}.py); "
+                           "these do not resolve:\n  " + "\n  ".join(offenders))
