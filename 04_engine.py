@@ -25,10 +25,11 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
 
-setup = importlib.import_module("01_setup")
-contracts = importlib.import_module("03_contracts")
 from kit import threads as cpu_threads
 from kit import cli
+
+setup = importlib.import_module("01_setup")
+contracts = importlib.import_module("03_contracts")
 hf_hooks = importlib.import_module("04_hf_hooks")   # how HF's generate honours SamplingParams
 SamplingParams = contracts.SamplingParams
 GenerateResult = contracts.GenerateResult
@@ -440,8 +441,18 @@ def demo(engine_class: type[BaseOfflineEngine], args: argparse.Namespace, **engi
 # --8<-- [end:main]
 
 
+def engine_main(engine_class: type[BaseOfflineEngine], description: str):
+    """An engine script's main(): the shared flags, plus a flag for each feature the engine's
+    constructor takes (kit/cli.py's engine options), then one request through demo()."""
+    parser = demo_parser(description)
+    takes = inspect.signature(engine_class).parameters
+    cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS if name in takes))
+    args = parser.parse_args()
+    return demo(engine_class, args, **cli.engine_options(args))
+
+
 def main() -> None:
-    demo(BaselineEngine, demo_parser("Run the Chapter 1 baseline engine once.").parse_args())
+    engine_main(BaselineEngine, "Run the Chapter 1 baseline engine once.")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ the tokenizer (for the chat template) and, where an engine has it, `generate_str
     python 05_server.py --port 8001                    # Chapter 1's BaselineEngine
     python 05_server.py --port 8001 --engine 04_engine:BaselineEngine --model SmolLM2-135M-Instruct
     ENGINE_CLASS=04_engine:BaselineEngine uvicorn 05_server:app --port 8001
-    python 05_server.py --engine 13_continuous_batching:ContinuousBatchingEngine --kv-memory 512MB --max-num-seqs 32
+    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 512MB --quant int8
     curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
 

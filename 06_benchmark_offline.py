@@ -38,11 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-engine_mod = importlib.import_module("04_engine")
-SamplingParams = importlib.import_module("03_contracts").SamplingParams
 from kit import bench, cli
 from kit.bench import RequestRecord
 from kit.workloads import WorkItem, load_prompts, mixed_workload
+
+engine_mod = importlib.import_module("04_engine")
+SamplingParams = importlib.import_module("03_contracts").SamplingParams
 
 
 def prompt_text(engine, prompt: dict) -> str:

@@ -47,10 +47,11 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-setup = importlib.import_module("01_setup")
 from kit import bench, cli, launcher   # flags and statistics shared with the offline benchmark
 from kit.bench import RequestRecord
 from kit.workloads import load_prompts, mixed_workload
+
+setup = importlib.import_module("01_setup")
 
 
 @contextlib.contextmanager

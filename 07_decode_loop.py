@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from kit import cli
+
 sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
 engine04 = importlib.import_module("04_engine")
-from kit import cli
 SamplingParams, GenerateResult = contracts.SamplingParams, contracts.GenerateResult
 
 
@@ -106,6 +107,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 # --8<-- [end:sample]
 
 
+# --8<-- [start:output-processor]
 class OutputProcessor:
     """Token ids in, text and results out, the same for every engine from here on: it builds
     requests, accepts each new token (detokenizer, stop strings, EOS, budget, logprobs, timings)
@@ -124,6 +126,7 @@ class OutputProcessor:
                        sampling.make_generator(params.seed, self.device), history=history,
                        logprobs=None if params.logprobs is None else [],
                        **({} if arrival is None else {"arrival": arrival}))
+    # --8<-- [end:output-processor]
 
     # --8<-- [start:accept]
     def accept(self, r: Request, token_id: int, now: float) -> str:

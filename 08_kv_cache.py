@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kit import cli
+
 setup = importlib.import_module("01_setup")
 sampling = importlib.import_module("02_sampling")
 decode_loop = importlib.import_module("07_decode_loop")  # one definition of the cache keyword
-from kit import cli
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived an"
 

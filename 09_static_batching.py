@@ -32,8 +32,9 @@ from statistics import median
 
 import torch
 
-decode_loop = importlib.import_module("07_decode_loop")
 from kit import cli
+
+decode_loop = importlib.import_module("07_decode_loop")
 engine04 = decode_loop.engine04
 SamplingParams, GenerateResult = decode_loop.SamplingParams, decode_loop.GenerateResult
 

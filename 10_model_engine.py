@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-from kit import cli
-
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 decode_loop = importlib.import_module("07_decode_loop")
@@ -171,10 +169,7 @@ class ModelEngine(engine04.BaseOfflineEngine):
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 6: the decode loop on a Llama we wrote ourselves.")
-    cli.add_engine_options(parser, only=("quant", "group_size", "quant_head", "kv_memory", "max_num_seqs"))
-    args = parser.parse_args()
-    engine04.demo(ModelEngine, args, **cli.engine_options(args))
+    engine04.engine_main(ModelEngine, "Chapter 6: the decode loop on a Llama we wrote ourselves.")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ import itertools
 
 import torch
 
+from kit import cli
+from kit.workloads import load_workload
+
 engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
 engine11 = importlib.import_module("11_paged_kv_engine")
-from kit import cli
-from kit.workloads import load_workload
 SamplingParams = engine04.SamplingParams
 
 

@@ -16,8 +16,6 @@ from collections.abc import Iterator
 
 import torch
 
-from kit import cli
-
 engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
 paged = importlib.import_module("11_paged_kv")
@@ -110,11 +108,7 @@ class PagedEngine(engine10.ModelEngine):
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 7: Chapter 6's engine on a pool of KV blocks.")
-    cli.add_engine_options(parser, only=("quant", "group_size", "quant_head", "kv_memory", "block_size",
-                                         "max_num_seqs"))
-    args = parser.parse_args()
-    engine04.demo(PagedEngine, args, **cli.engine_options(args))
+    engine04.engine_main(PagedEngine, "Chapter 7: Chapter 6's engine on a pool of KV blocks.")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ import json
 import time
 
 
+from kit import cli
+
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 pc = importlib.import_module("12_prefix_cache")
 engine12 = importlib.import_module("12_prefix_cache_engine")
-from kit import cli
 SamplingParams = engine04.SamplingParams
 
 

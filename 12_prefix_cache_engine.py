@@ -16,12 +16,30 @@ import importlib
 
 import torch
 
-from kit import cli
-
 engine04 = importlib.import_module("04_engine")
 paged = importlib.import_module("11_paged_kv")
 engine11 = importlib.import_module("11_paged_kv_engine")
 prefix12 = importlib.import_module("12_prefix_cache")
+
+
+class CacheOff:
+    """Prefix caching switched off, on the cache's own books: Chapter 7's answers (no cached prefix is
+    offered, nothing is published) while the blocks cached so far keep their K/V. A second manager
+    over the same pool would hand out blocks whose K/V the cache still vouches for."""
+
+    caches_prefixes = False
+
+    def __init__(self, cache: prefix12.PrefixCachingBlockManager):
+        self.cache = cache
+
+    def __getattr__(self, name: str):      # tables, lengths, append_slot, free, ...: the cache's own
+        return getattr(self.cache, name)
+
+    def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
+        return paged.BlockManager.allocate_prompt(self.cache, seq_id, tokens)   # fresh blocks: 0 cached
+
+    def cache_computed(self, seq_id: int, tokens: list[int]) -> None:
+        """Nothing is published while caching is off."""
 
 
 # --8<-- [start:engine]
@@ -44,18 +62,23 @@ class PrefixCachingEngine(engine11.PagedEngine):
 
     @prefix_caching.setter
     def prefix_caching(self, on: bool) -> None:
-        """Off is Chapter 7's block manager, for comparisons in one process: a fresh one either way."""
+        """Off answers as Chapter 7's block manager, for comparisons in one process; the blocks cached
+        so far keep their K/V, and are found again once it is back on."""
         if not isinstance(on, bool):
             raise ValueError(f"prefix_caching must be True or False, got {on!r}")
         if self.blocks.tables:
             raise RuntimeError("cannot switch prefix caching while requests hold blocks")
-        manager = prefix12.PrefixCachingBlockManager if on else paged.BlockManager
-        self.blocks = manager(self.pool.num_blocks, self.pool.block_size)
+        cache = self.blocks.cache if isinstance(self.blocks, CacheOff) else self.blocks
+        self.blocks = cache if on else CacheOff(cache)
 # --8<-- [end:engine]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
-        self.prefix_caching = self.prefix_caching
+        on = self.prefix_caching
+        if self.blocks.tables:
+            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
+        self.blocks = prefix12.PrefixCachingBlockManager(self.pool.num_blocks, self.pool.block_size)
+        self.prefix_caching = on
 
     def stats(self) -> dict:
         if not self.prefix_caching:
@@ -66,11 +89,7 @@ class PrefixCachingEngine(engine11.PagedEngine):
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 8: Chapter 7's engine with a prefix cache.")
-    cli.add_engine_options(parser, only=("quant", "group_size", "quant_head", "kv_memory", "block_size",
-                                         "max_num_seqs"))
-    args = parser.parse_args()
-    engine04.demo(PrefixCachingEngine, args, **cli.engine_options(args))
+    engine04.engine_main(PrefixCachingEngine, "Chapter 8: Chapter 7's engine with a prefix cache.")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ import random
 import threading
 import time
 
+from kit.cli import parse_bytes
+from kit import bench, cli, workloads
+
 engine04 = importlib.import_module("04_engine")
 static09 = importlib.import_module("09_static_batching")
-from kit.cli import parse_bytes
 cb = importlib.import_module("13_continuous_batching_engine")
-from kit import bench, cli, workloads
 SamplingParams, WorkItem = engine04.SamplingParams, workloads.WorkItem
 
 

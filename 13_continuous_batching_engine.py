@@ -41,7 +41,6 @@ from collections.abc import Iterator
 
 import torch
 
-from kit import cli
 from kit import threads as cpu_threads
 
 engine04 = importlib.import_module("04_engine")
@@ -293,10 +292,7 @@ class RequestStream:
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 9: the assembled engine, every feature a switch.")
-    cli.add_engine_options(parser)
-    args = parser.parse_args()
-    engine, _, _ = engine04.demo(ContinuousBatchingEngine, args, **cli.engine_options(args))
+    engine, _, _ = engine04.engine_main(ContinuousBatchingEngine, "Chapter 9: the assembled engine, every feature a switch.")
     print(f"  {'features':<15} {engine.features()}")
     engine.close()
 

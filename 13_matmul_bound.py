@@ -19,9 +19,10 @@ import time
 
 import torch
 
+from kit import cli, workloads
+
 engine04 = importlib.import_module("04_engine")
 cb = importlib.import_module("13_continuous_batching_engine")
-from kit import cli, workloads
 
 
 # --8<-- [start:matmuls]

@@ -25,13 +25,14 @@ import time
 
 import torch
 
+from kit import cli
+
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
 quant16 = importlib.import_module("16_quantization")
 demo16 = importlib.import_module("16_quantization_demo")
 matmuls_ms = importlib.import_module("13_matmul_bound").matmuls_ms   # one decode step's weight matmuls
 engine04 = importlib.import_module("04_engine")
-from kit import cli
 
 
 # --8<-- [start:hollow]

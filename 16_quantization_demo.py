@@ -23,12 +23,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kit import cli
+
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
 quant16 = importlib.import_module("16_quantization")
-from kit import cli
 SamplingParams = engine04.SamplingParams
 HELDOUT_PATH = setup.REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
 LLAMA_CPP = "llama.cpp Q4_1 GGUF"

@@ -16,8 +16,6 @@ import os
 
 import torch
 
-from kit import cli
-
 engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
 
@@ -57,10 +55,7 @@ class Int4Engine(QuantizedEngine):
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 12: Chapter 6's engine on quantised weights (default int8).")
-    cli.add_engine_options(parser, only=("quant", "group_size", "quant_head", "kv_memory", "max_num_seqs"))
-    args = parser.parse_args()
-    engine04.demo(QuantizedEngine, args, **cli.engine_options(args))
+    engine04.engine_main(QuantizedEngine, "Chapter 12: Chapter 6's engine on quantised weights (default int8).")
 
 
 if __name__ == "__main__":

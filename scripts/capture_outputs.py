@@ -94,7 +94,10 @@ CAPTURES = [
     Capture("09_static_batching", [
         "python 09_static_batching.py --sizes 1 2 4 8 16 --max-new-tokens 16 --plot book/assets/ch5-static-batching.png",
     ], timeout_s=1800),
-    Capture("10_model", ["python 10_profile.py --plot book/assets/ch6-profile.png"], timeout_s=1800),
+    # Chapter 6 (a model we own): the model checked against HF, a runner stepped by hand, the profile
+    Capture("10_model", ["python 10_model.py"], timeout_s=1800),
+    Capture("10_model_runner", ["python 10_model_runner.py"], timeout_s=600),
+    Capture("10_profile", ["python 10_profile.py --plot book/assets/ch6-profile.png"], timeout_s=1800),
     Capture("10_vs_baseline", [
         "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model_engine:ModelEngine"
         " --num-prompts 8 --runs 1 --max-new-tokens 32 --ignore-eos",
@@ -102,7 +105,8 @@ CAPTURES = [
         " --batch --batch-size 32 --runs 1 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=1800),
     # Chapter 7 (paged KV cache)
-    Capture("11_paged_kv", ["python 11_paged_kv_demo.py --plot book/assets/ch7-paged-kv.png"], timeout_s=1800),
+    Capture("11_paged_kv", ["python 11_paged_kv.py"], timeout_s=120),    # a block manager by hand, no model
+    Capture("11_paged_kv_demo", ["python 11_paged_kv_demo.py --plot book/assets/ch7-paged-kv.png"], timeout_s=1800),
     Capture("11_vs_contiguous", [   # one thread: on the shared capture machine two threads mostly wait
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model_engine:ModelEngine"
         " --engine 11_paged_kv_engine:PagedEngine --num-prompts 8 --runs 3 --max-new-tokens 32 --ignore-eos",
@@ -110,15 +114,17 @@ CAPTURES = [
         " --engine 11_paged_kv_engine:PagedEngine --batch --batch-size 32 --runs 3 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=3600),
     # Chapter 8 (prefix caching)
-    Capture("12_prefix_cache", ["python 12_prefix_cache_demo.py --threads 1 --plot book/assets/ch8-prefix-cache.png"],
-            timeout_s=2400),
+    Capture("12_prefix_cache", ["python 12_prefix_cache.py"], timeout_s=120),   # a prefix cache by hand, no model
+    Capture("12_prefix_cache_demo", [
+        "python 12_prefix_cache_demo.py --threads 1 --plot book/assets/ch8-prefix-cache.png"], timeout_s=2400),
     Capture("12_prefix_cache_at_once", [
         "python 12_prefix_cache_demo.py --threads 1 --max-new-tokens 16 --at-once 12_prefix_cache_engine:PrefixCachingEngine",
         "python 12_prefix_cache_demo.py --threads 1 --max-new-tokens 16"
         " --at-once 13_continuous_batching_engine:ContinuousBatchingEngine",
     ], timeout_s=2400),
     # Chapter 9 (continuous batching)
-    Capture("13_continuous_batching", [
+    Capture("13_scheduler", ["python 13_scheduler.py"], timeout_s=120),   # the scheduler's decisions, no model
+    Capture("13_continuous_batching_demo", [
         "python 13_continuous_batching_demo.py --plot book/assets/ch9-timeline.png",
     ], timeout_s=1800),
     Capture("13_preemption", [
@@ -134,8 +140,13 @@ CAPTURES = [
         "os --timeout 3600 --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine",
     ], timeout_s=3600),
     Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
+    # The assembled engine: the same traffic with its switches turned on one by one
+    Capture("13_switches", [
+        "python 13_continuous_batching_switches.py --plot book/assets/ch9-switches.png",
+    ], timeout_s=3600),
     # Chapter 12 (quantisation)
-    Capture("16_quantization", [
+    Capture("16_quantization", ["python 16_quantization.py"], timeout_s=300),   # the formats on one matrix
+    Capture("16_quantization_demo", [
         "python 16_quantization_demo.py --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
@@ -212,7 +223,7 @@ def main() -> int:
     names = [c.name for c in CAPTURES]
     if args.list:
         for c in CAPTURES:
-            print(f"{c.name:<24} {' ; '.join(c.commands)}" + (f"   [server: {c.server}]" if c.server else ""))
+            print(f"{c.name:<28} {' ; '.join(c.commands)}" + (f"   [server: {c.server}]" if c.server else ""))
         return 0
     unknown = sorted(set(args.only or []) - set(names))
     if unknown:

@@ -48,9 +48,10 @@ async function ask(prompt) {
   if (first !== null && n > 1) $("rate").textContent = ((n - 1) / ((end - first) / 1000)).toFixed(1);
 }
 
-// The engine's features as one line: on/off switches by name, settings with their value.
+// The engine's features as one line: on/off switches by name, settings with their value
+// (its class is in the title already).
 function describeFeatures(features) {
-  return Object.entries(features).filter(([, v]) => v !== false && v !== null).map(([k, v]) => {
+  return Object.entries(features).filter(([k, v]) => k !== "engine" && v !== false && v !== null).map(([k, v]) => {
     const name = k.replace(/_/g, " ");
     if (v === true) return name;
     if (k.endsWith("memory") && typeof v === "number") return name + " " + Math.round(v / 2 ** 20) + " MiB";

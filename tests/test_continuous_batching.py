@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-import types
 
 import pytest
 
@@ -25,8 +24,9 @@ SamplingParams = load_script("03_contracts").SamplingParams
 
 # ---------------------------------------------------------------- the scheduler, without a model
 def fake_request(rid: int, prompt_len: int, budget: int) -> sched13.Request:
-    seq = types.SimpleNamespace(new_ids=[], budget=budget, finish_reason=None)
-    return sched13.Request(rid, list(range(100, 100 + prompt_len)), seq)
+    """Chapter 2's Request with no text side (no detokenizer, no generator): the scheduler needs none."""
+    return sched13.Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(), budget, detok=None,
+                           generator=None)
 
 
 def fake_step(s: sched13.Scheduler, everyone: list[sched13.Request]) -> sched13.ScheduledBatch:
@@ -47,14 +47,14 @@ def fake_step(s: sched13.Scheduler, everyone: list[sched13.Request]) -> sched13.
     for r, n in zip(work.requests, work.lengths):
         r.num_computed += n
         if r.num_computed == r.num_tokens:                       # its logits give the next token
-            r.seq.new_ids.append(7)
-            if len(r.seq.new_ids) >= r.seq.budget:
-                r.seq.finish_reason = "length"
+            r.new_ids.append(7)
+            if len(r.new_ids) >= r.budget:
+                r.finish_reason = "length"
                 s.finish(r)
     # Nothing is ever dropped: every request is finished, waiting or running, exactly once.
     assert not set(map(id, s.running)) & set(map(id, s.waiting))
     for r in everyone:
-        assert (r.seq.finish_reason is not None) + (r in s.running) + (r in s.waiting) == 1
+        assert (r.finish_reason is not None) + (r in s.running) + (r in s.waiting) == 1
     held = {b for r in s.running for b in s.blocks.tables[r.id]}
     assert len(held) + s.blocks.num_free == s.blocks.num_blocks    # no block leaks, none shared
     assert set(s.blocks.tables) == {r.id for r in s.running}
@@ -78,7 +78,7 @@ def test_decodes_first_then_prefill_chunks_then_admissions():
         blocks.allocate(r.id, r.num_tokens)
         s.running.append(r)
     old.num_computed = 8
-    new.num_computed, new.seq.new_ids = 3, [7]
+    new.num_computed, new.new_ids = 3, [7]
     waiting = fake_request(2, 5, 5)
     s.add(waiting)
     work = fake_step(s, [old, new, waiting])
@@ -97,7 +97,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
     chunks = [(w.starts[w.requests.index(long_)], w.lengths[w.requests.index(long_)]) for w in steps]
     assert chunks == [(0, 7), (7, 7), (14, 7), (21, 4)]
     assert all(w.requests[0] is short and w.lengths[0] == 1 for w in steps)   # never stalled
-    assert long_.seq.new_ids == [7]                 # only the last chunk predicted a token
+    assert long_.new_ids == [7]                 # only the last chunk predicted a token
     run_to_end(s, [short, long_])
 
 
@@ -122,7 +122,7 @@ def test_token_budget_and_sequence_cap_hold_every_step():
     steps = run_to_end(s, everyone)
     assert max(len(w.requests) for w in steps) == 3
     assert max(w.num_tokens for w in steps) == 10
-    assert all(r.seq.finish_reason for r in everyone) and len(s.blocks.tables) == 0
+    assert all(r.finish_reason for r in everyone) and len(s.blocks.tables) == 0
 
 
 def test_when_blocks_run_out_the_newest_is_preempted_and_recomputed_later():
@@ -133,18 +133,18 @@ def test_when_blocks_run_out_the_newest_is_preempted_and_recomputed_later():
     s.add(b)
     fake_step(s, [a, b])                                            # both prefilled: 4 blocks used
     fake_step(s, [a, b])                                            # both decode into their 3rd block
-    assert blocks.num_free == 0 and len(b.seq.new_ids) == 2
+    assert blocks.num_free == 0 and len(b.new_ids) == 2
     assert fake_step(s, [a, b]).preempted == []                     # slot 5 is still in the 3rd block
     work = fake_step(s, [a, b])                                     # a needs a block: b (newest) goes
     assert work.preempted == [b] and work.requests == [a]
     assert b.preemptions == 1 and b.num_computed == 0 and list(s.waiting) == [b]
-    assert b.seq.new_ids == [7, 7, 7]                               # its output is kept, not dropped
+    assert b.new_ids == [7, 7, 7]                               # its output is kept, not dropped
     assert s.num_preemptions == 1
     steps = run_to_end(s, [a, b])
     # b comes back with everything it had (prompt + 3 generated tokens) as one recompute.
     back = next(w for w in steps if b in w.requests)
     assert back.starts[back.requests.index(b)] == 0 and back.lengths[back.requests.index(b)] == 7
-    assert len(a.seq.new_ids) == len(b.seq.new_ids) == 6
+    assert len(a.new_ids) == len(b.new_ids) == 6
     assert blocks.num_free == 6 and not s.has_work()
 
 
@@ -156,7 +156,7 @@ def test_a_request_alone_can_preempt_itself_and_still_finish():
         s.add(r)
     run_to_end(s, [a, b])
     assert b.preemptions >= 1 and a.preemptions == 0                # the older one always progresses
-    assert len(a.seq.new_ids) == len(b.seq.new_ids) == 4 and blocks.num_free == 3
+    assert len(a.new_ids) == len(b.new_ids) == 4 and blocks.num_free == 3
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -176,7 +176,7 @@ def test_random_workloads_never_break_an_invariant(seed):
         if rng.random() < 0.5:                                      # staggered arrivals
             steps.append(fake_step(s, everyone))
     steps += run_to_end(s, everyone)
-    assert all(len(r.seq.new_ids) == r.seq.budget for r in everyone)
+    assert all(len(r.new_ids) == r.budget for r in everyone)
     assert blocks.num_free == blocks.num_blocks and not s.waiting and not s.running
 
 
@@ -274,7 +274,7 @@ class Tracer:
     def record(self, work, events):
         self.steps.append({"ids": [r.id for r in work.requests], "starts": list(work.starts),
                            "lengths": list(work.lengths), "prompt_lens": [len(r.prompt_ids) for r in work.requests],
-                           "preempted": [(r.id, len(r.seq.new_ids)) for r in work.preempted],
+                           "preempted": [(r.id, len(r.new_ids)) for r in work.preempted],
                            "at": time.monotonic()})
         assert self.gate.wait(30)
 
@@ -474,7 +474,7 @@ def test_closing_a_stream_or_abort_frees_every_block_by_the_next_step(narrow):
         narrow.abort(b.request_id)
         rest_a, rest_b = collect(a), collect(b)
     assert not any(isinstance(x, GenerateResult) for x in rest_a + rest_b)
-    assert len(a.request.seq.new_ids) < 400 and len(b.request.seq.new_ids) < 400
+    assert len(a.request.new_ids) < 400 and len(b.request.new_ids) < 400
     # At most the step already under way when close() came still had it.
     assert sum(a.request_id in s["ids"] for s in trace.steps if s["at"] > closed_at) <= 1
     assert_idle(narrow)
@@ -509,7 +509,7 @@ def test_an_abandoned_stream_is_aborted_and_frees_its_blocks(narrow):
     next(stream)
     del stream                                            # the reader went away without closing
     assert_idle(narrow)
-    assert len(request.seq.new_ids) < 400
+    assert len(request.new_ids) < 400
     pieces = narrow.generate_stream("Hello", 400, SamplingParams(ignore_eos=True))
     next(pieces)
     pieces.close()                                        # the generator's close reaches the request
@@ -645,12 +645,12 @@ def test_metrics_have_ttft_tpot_and_queue_time(narrow):
 
 def test_eos_as_the_very_first_token(narrow, tiny_engine, expected):
     first = expected(PROMPTS[4], 4).output_ids[0]
-    saved = narrow.eos_token_ids, tiny_engine.eos_token_ids
-    narrow.eos_token_ids, tiny_engine.eos_token_ids = saved[0] | {first}, saved[1] | {first}
+    saved = narrow.output.eos_token_ids, tiny_engine.eos_token_ids     # our loop's output processor decides
+    narrow.output.eos_token_ids, tiny_engine.eos_token_ids = saved[0] | {first}, saved[1] | {first}
     try:
         got, want = narrow.generate(PROMPTS[4], 4), tiny_engine.generate(PROMPTS[4], 4)
     finally:
-        narrow.eos_token_ids, tiny_engine.eos_token_ids = saved
+        narrow.output.eos_token_ids, tiny_engine.eos_token_ids = saved
     assert got.output_ids == want.output_ids == [first] and got.finish_reason == want.finish_reason == "stop"
     assert got.text == want.text
     assert_idle(narrow)

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from conftest import load_script
 
 pc = load_script("12_prefix_cache")
+engine12 = load_script("12_prefix_cache_engine")
 paged = load_script("11_paged_kv")
 contracts = load_script("03_contracts")
 server = load_script("05_server")
@@ -32,19 +33,19 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return pc.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=BS)
+    return engine12.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=BS)
 
 
 def run_ids(engine, ids: list[int], n: int = 6, caching: bool = True) -> tuple[list[int], int]:
     """Generate from token ids through the engine's own loop: (new ids, cached prompt tokens)."""
     engine.prefix_caching = caching
     try:
-        seq = engine.new_sequence(GREEDY, n, len(ids))
-        for _ in engine.run([list(ids)], [seq]):
+        request = engine.output.new_request(list(ids), GREEDY, n)
+        for _ in engine.run([request]):
             pass
     finally:
         engine.prefix_caching = True
-    return seq.new_ids, seq.cached_tokens
+    return request.new_ids, request.cached_tokens
 
 
 def fresh_cache(engine) -> None:
@@ -270,7 +271,7 @@ def test_the_server_reports_cached_tokens_like_openai(engine):
 
 @pytest.mark.real_model
 def test_real_model_with_cache_hits_equals_the_baseline(real_engine, default_model_dir, reference_prompts):
-    ours = pc.PrefixCachingEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20)
+    ours = engine12.PrefixCachingEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20)
     long = max(reference_prompts, key=len)
     cached = []
     for prompt in (long, long, long + " The next morning"):        # a miss, a full hit, an extension
@@ -358,7 +359,7 @@ def test_demo_measures_hits_and_shared_blocks_and_keeps_outputs(tiny_model_dir, 
     off/on outputs agree (off_and_on exits otherwise)."""
     demo = load_script("12_prefix_cache_demo")
     workload = demo.load_workload()
-    engine = pc.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, block_size=16)
+    engine = engine12.PrefixCachingEngine(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, block_size=16)
     qa = demo.shared_system_prompt(engine, workload, 3, 2)
     assert qa[0]["cached"] == 0 and all(r["cached"] >= r["prompt_tokens"] // 2 for r in qa[1:])
     engine.reset_prefix_cache()
