@@ -65,8 +65,6 @@ class CachedBlock:
 class PrefixCachingBlockManager(paged.BlockManager):
     """Chapter 7's block manager, plus a table of full blocks that later prompts can reuse."""
 
-    caches_prefixes = True
-
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
         self.by_hash: dict[int, int] = {}                  # prefix hash -> block holding its K/V
@@ -75,6 +73,11 @@ class PrefixCachingBlockManager(paged.BlockManager):
         self.chains: dict[int, tuple[int, int, int]] = {}  # seq -> (blocks cached, last hash, last serial)
         self._serials = itertools.count(1)
         self.prompt_tokens = self.hit_tokens = 0           # for the hit rate
+        self.enabled = True   # off: Chapter 7's answers (for comparisons); what is cached stays cached
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.enabled
 
     @property
     def num_free(self) -> int:
@@ -111,6 +114,8 @@ class PrefixCachingBlockManager(paged.BlockManager):
     def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
         """allocate() for a sequence whose tokens are known: share its cached prefix, take new
         blocks for the rest. Returns how many tokens already have their K/V in the pool."""
+        if not self.enabled:
+            return super().allocate_prompt(seq_id, tokens)
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not tokens:
@@ -133,6 +138,8 @@ class PrefixCachingBlockManager(paged.BlockManager):
     def cache_computed(self, seq_id: int, tokens: list[int]) -> None:
         """The sequence's first len(tokens) tokens now have K/V in its blocks: make every full
         block among them findable. Call it after the forward that wrote them, never before."""
+        if not self.enabled:
+            return
         if seq_id not in self.tables:
             raise ValueError(f"sequence {seq_id} has no blocks (never allocated, or freed already)")
         if len(tokens) > self.lengths[seq_id]:

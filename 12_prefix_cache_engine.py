@@ -22,26 +22,6 @@ engine11 = importlib.import_module("11_paged_kv_engine")
 prefix12 = importlib.import_module("12_prefix_cache")
 
 
-class CacheOff:
-    """Prefix caching switched off, on the cache's own books: Chapter 7's answers (no cached prefix is
-    offered, nothing is published) while the blocks cached so far keep their K/V. A second manager
-    over the same pool would hand out blocks whose K/V the cache still vouches for."""
-
-    caches_prefixes = False
-
-    def __init__(self, cache: prefix12.PrefixCachingBlockManager):
-        self.cache = cache
-
-    def __getattr__(self, name: str):      # tables, lengths, append_slot, free, ...: the cache's own
-        return getattr(self.cache, name)
-
-    def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
-        return paged.BlockManager.allocate_prompt(self.cache, seq_id, tokens)   # fresh blocks: 0 cached
-
-    def cache_computed(self, seq_id: int, tokens: list[int]) -> None:
-        """Nothing is published while caching is off."""
-
-
 # --8<-- [start:engine]
 class PrefixCachingEngine(engine11.PagedEngine):
     """Chapter 7's engine; a prompt's cached prefix is shared, not recomputed."""
@@ -68,17 +48,16 @@ class PrefixCachingEngine(engine11.PagedEngine):
             raise ValueError(f"prefix_caching must be True or False, got {on!r}")
         if self.blocks.tables:
             raise RuntimeError("cannot switch prefix caching while requests hold blocks")
-        cache = self.blocks.cache if isinstance(self.blocks, CacheOff) else self.blocks
-        self.blocks = cache if on else CacheOff(cache)
+        self.blocks.enabled = on
 # --8<-- [end:engine]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
-        on = self.prefix_caching
         if self.blocks.tables:
             raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
-        self.blocks = prefix12.PrefixCachingBlockManager(self.pool.num_blocks, self.pool.block_size)
-        self.prefix_caching = on
+        on, self.blocks = self.prefix_caching, prefix12.PrefixCachingBlockManager(self.pool.num_blocks,
+                                                                                 self.pool.block_size)
+        self.blocks.enabled = on
 
     def stats(self) -> dict:
         if not self.prefix_caching:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+# --8<-- [start:plugins]
 # feature -> where its implementation lives (module:attribute)
 PLUGINS = {
     "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
@@ -30,3 +31,4 @@ def load_object(spec: str):
 def plugin(feature: str):
     """The implementation of a feature named in PLUGINS."""
     return load_object(PLUGINS[feature])
+# --8<-- [end:plugins]

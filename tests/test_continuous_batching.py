@@ -377,6 +377,28 @@ def test_generate_batch_and_generate_equal_the_baseline(roomy, expected):
     assert_idle(roomy)
 
 
+def test_requests_built_first_and_submitted_together_share_their_first_step(roomy, expected):
+    """new_request checks and tokenises in the caller's thread (text, or ids tokenised already);
+    submit_all hands the built requests over in one go, so they join one step; output.result(r)
+    is the answer each stream ends with."""
+    ids = roomy.tokenizer(PROMPTS[1]).input_ids
+    requests = [roomy.new_request(PROMPTS[0], 6), roomy.new_request(ids, 6), roomy.new_request(PROMPTS[2], 6),
+                roomy.new_request(PROMPTS[3], 6, SamplingParams(max_tokens=4))]
+    assert [r.budget for r in requests] == [6, 6, 6, 4] and len({r.id for r in requests}) == 4
+    assert requests[1].prompt_ids == ids and all(r.num_computed == 0 and r.admitted is None for r in requests)
+    with Tracer(roomy) as trace:
+        streams = roomy.submit_all(requests)
+        results = [result_of(s) for s in streams]
+    assert trace.steps[0]["ids"] == [r.id for r in requests]                # all four in the first step
+    for p, n, r, got in zip(PROMPTS[:4], (6, 6, 6, 4), requests, results):
+        assert_same(got, expected(p, n))
+        assert roomy.output.result(r).output_ids == got.output_ids and r.finish_reason == got.finish_reason
+    assert roomy.features() == {"engine": "ContinuousBatchingEngine", "quant": "float32", "max_num_seqs": 8,
+                                "kv_memory": roomy.pool.nbytes, "block_size": 16, "prefix_caching": False,
+                                "max_num_batched_tokens": 256}
+    assert_idle(roomy)
+
+
 def test_forced_preemption_and_chunked_prefill_still_equal_the_baseline(tight, expected, block_prompt):
     prompts, budgets = PROMPTS + [block_prompt], BUDGETS + [20]
     params = with_stops(expected, prompts, budgets)

@@ -165,6 +165,46 @@ def test_load_engine_builds_any_engine_and_refuses_nonsense(tiny_model_dir):
             engine_mod.load_engine(spec, str(tiny_model_dir), device="cpu")
 
 
+def test_every_moved_engine_spec_still_loads_to_its_new_class(tiny_model_dir):
+    """Specs in notes and earlier captures name the files engines used to live in: load_engine resolves
+    each through MOVED_ENGINES to the class its new spec names (the old file is gone or no longer has it)."""
+    import importlib.util
+
+    assert engine_mod.MOVED_ENGINES
+    for old, new in engine_mod.MOVED_ENGINES.items():
+        module, _, name = new.partition(":")
+        old_module, _, old_name = old.partition(":")
+        assert old_name == name, old
+        assert importlib.util.find_spec(old_module) is None or not hasattr(load_script(old_module), name), old
+        engine = engine_mod.load_engine(old, str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
+        try:
+            assert type(engine) is getattr(load_script(module), name), old
+            assert type(engine_mod.load_engine(new, str(tiny_model_dir), device="cpu", kv_memory=1 << 20)) \
+                is type(engine)
+        finally:
+            getattr(engine, "close", lambda: None)()
+
+
+def test_tokenize_checks_a_prompt_and_takes_token_ids_as_they_are(tiny_engine):
+    """The one check every engine makes: text is tokenised, a list of ids (the server tokenises once)
+    must name tokens of the vocabulary; either way the budget must fit the context."""
+    tok, vocab = tiny_engine.tokenizer, tiny_engine.vocab_size
+    ids = engine_mod.tokenize(tok, "Hello there", 4, 512)
+    assert ids == tok("Hello there").input_ids
+    assert engine_mod.tokenize(tok, ids, 4, 512, vocab) == ids
+    assert engine_mod.tokenize(tok, ids, 512 - len(ids), 512, vocab) == ids          # exactly the context
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens"):
+        engine_mod.tokenize(tok, ids, 513 - len(ids), 512, vocab)
+    for bad in ([], [-1], [vocab], [1.5], [True], [1, "2"]):
+        with pytest.raises(ValueError, match="prompt token ids"):
+            engine_mod.tokenize(tok, bad, 4, 512, vocab)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        engine_mod.tokenize(tok, ids, 4, 512)                 # no vocabulary size: ids cannot be checked
+    for prompt, n, match in (("", 4, "non-empty string"), (None, 4, "non-empty string"), ("Hi", 0, "max_new_tokens")):
+        with pytest.raises(ValueError, match=match):
+            engine_mod.tokenize(tok, prompt, n, 512, vocab)
+
+
 def test_render_chat_uses_the_template_for_the_whole_conversation(tiny_engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
@@ -228,7 +268,8 @@ def test_threads_flag_sets_torch_threads_and_refuses_zero(engine_mod):
 
 @pytest.mark.parametrize("spec", ["04_engine:BaselineEngine", "07_decode_loop:DecodeLoopEngine",
                                   "09_static_batching:StaticBatchEngine", "10_model_engine:ModelEngine",
-                                  "11_paged_kv_engine:PagedEngine", "13_continuous_batching_engine:ContinuousBatchingEngine",
+                                  "11_paged_kv_engine:PagedEngine", "12_prefix_cache_engine:PrefixCachingEngine",
+                                  "13_continuous_batching_engine:ContinuousBatchingEngine",
                                   "16_quantization_engine:Int8Engine"])
 def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_dir):
     """The same refusals through every chapter's engine, single and batch: never a TypeError from

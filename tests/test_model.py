@@ -145,6 +145,37 @@ def test_seeded_sampling_equals_decode_loop_engine(tiny_model_engine, tiny_model
         assert ours == tiny_model_engine.generate(prompt, 10, params).output_ids   # reproducible
 
 
+def test_run_steps_the_live_requests_and_drops_finished_ones(tiny_model_engine, monkeypatch):
+    """run(requests) yields one list of text pieces per step, "" for a request that is done; a finished
+    request leaves the batch at once: nobody computes tokens it does not want."""
+    engine, params = tiny_model_engine, SamplingParams(ignore_eos=True)
+    requests = [engine.new_request("Hello", 2, params), engine.new_request("The capital of France is", 4, params)]
+    rows, forward = [], engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",
+                        lambda batch, *a, **k: rows.append(batch.lengths) or forward(batch, *a, **k))
+    steps = list(engine.run(requests))
+    assert len(steps) == 4 and all(len(s) == 2 for s in steps) and steps[2][0] == steps[3][0] == ""
+    assert rows == [[r.n_prompt for r in requests], [1, 1], [1], [1]]
+    assert ["".join(s[i] for s in steps) for i in range(2)] == [engine.output.result(r).text for r in requests]
+    assert [len(r.new_ids) for r in requests] == [2, 4] and all(r.num_computed == r.num_tokens - 1 for r in requests)
+
+
+def test_batch_chunks_fit_kv_memory_and_max_num_seqs(tiny_model_dir, tiny_engine, reference_prompts):
+    per_token = 2 * 2 * 2 * 16 * 4                   # the tiny model's K/V bytes per token, float32
+    kv_memory = 2 * 140 * per_token
+    engine = engine10.ModelEngine(str(tiny_model_dir), device="cpu", max_num_seqs=3, kv_memory=kv_memory)
+    requests = [engine.new_request(p, 10) for p in reference_prompts]
+    chunks = list(engine.batch_chunks(requests))
+    assert chunks[0].start == 0 and chunks[-1].stop == len(requests)
+    assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))          # consecutive, none skipped
+    for c in chunks:   # each row sized for its longest member; a request alone always gets its chance
+        n = c.stop - c.start
+        assert n <= 3 and (n == 1 or n * max(r.n_prompt + r.budget for r in requests[c]) * per_token <= kv_memory)
+    assert len(chunks) >= 3
+    got = engine.generate_batch(reference_prompts, 10)
+    assert [r.output_ids for r in got] == [tiny_engine.generate(p, 10).output_ids for p in reference_prompts]
+
+
 def test_stream_pieces_add_up_to_the_result(tiny_model_engine, reference_prompts):
     *pieces, result = tiny_model_engine.generate_stream(reference_prompts[0], 16)
     assert "".join(pieces) == result.text and result.metrics.output_tokens == len(result.output_ids)

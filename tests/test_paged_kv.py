@@ -354,7 +354,8 @@ def test_a_request_that_could_never_fit_is_refused(tiny_model_dir, tiny_contiguo
 
 
 def test_engine_spec_loads(engine_mod, tiny_model_dir):
-    engine = engine_mod.load_engine("11_paged_kv_engine:PagedEngine", str(tiny_model_dir), device="cpu", kv_memory=TINY_KV)
+    engine = engine_mod.load_engine("11_paged_kv_engine:PagedEngine", str(tiny_model_dir), device="cpu",
+                                    kv_memory=TINY_KV)
     assert isinstance(engine, engine11.PagedEngine)
     assert not hasattr(paged, "PagedEngine")                        # 11_paged_kv.py holds the parts only
     assert engine.runner.kv is engine.pool and type(engine.blocks) is paged.BlockManager

@@ -91,6 +91,45 @@ def test_output_with_the_cache_equals_output_without(engine, name, ids, cached):
     check_invariants(engine.blocks)
 
 
+def test_switching_the_cache_off_and_on_keeps_what_it_holds(engine):
+    """Off answers as Chapter 7's manager (nothing offered, nothing published, no cached_tokens reported)
+    on the cache's own books, so its blocks keep their K/V; on again, they are found. Switching is refused
+    while requests hold blocks; reset_prefix_cache forgets everything and keeps the switch where it was."""
+    fresh_cache(engine)
+    run_ids(engine, PREFIX)
+    cached, cache = dict(engine.blocks.content), engine.blocks
+    engine.prefix_caching = False
+    try:
+        assert engine.prefix_caching is False and engine.features()["prefix_caching"] is False
+        assert "prefix_cache_hit_rate" not in engine.stats()
+        request = engine.output.new_request(PREFIX + [5, 6], GREEDY, 6)
+        for _ in engine.run([request]):
+            pass
+        assert request.cached_tokens is None and engine.blocks.content == cached    # nothing published
+        check_invariants(cache)
+    finally:
+        engine.prefix_caching = True
+    assert engine.blocks is cache
+    on, hit = run_ids(engine, PREFIX + [5, 6])
+    assert hit == 24 and on == request.new_ids
+    engine.prefix_caching = True                         # on already: the same cache
+    assert engine.blocks is cache
+    loop = engine.run([engine.output.new_request(PREFIX, GREEDY, 40)])
+    next(loop)
+    for switch in (lambda: setattr(engine, "prefix_caching", False), engine.reset_prefix_cache):
+        with pytest.raises(RuntimeError, match="hold blocks"):
+            switch()
+    loop.close()
+    with pytest.raises(ValueError, match="True or False"):
+        engine.prefix_caching = 1
+    engine.prefix_caching = False
+    engine.reset_prefix_cache()
+    assert engine.prefix_caching is False and engine.blocks.content == {}
+    engine.prefix_caching = True
+    assert run_ids(engine, PREFIX)[1] == 0                # forgotten
+    check_invariants(engine.blocks)
+
+
 def test_generated_tokens_are_cached_too_for_the_next_turn(engine):
     fresh_cache(engine)
     first, _ = run_ids(engine, PREFIX[:6], n=12)                 # 18 tokens in all: 4 full blocks

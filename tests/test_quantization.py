@@ -9,9 +9,12 @@ import torch
 from conftest import load_script
 
 quant16 = load_script("16_quantization")
+engine16 = load_script("16_quantization_engine")
 demo16 = load_script("16_quantization_demo")
 engine04 = load_script("04_engine")
 model10 = load_script("10_model")
+runner10 = load_script("10_model_runner")
+cb13 = load_script("13_continuous_batching_engine")
 
 
 def random_weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
@@ -119,6 +122,37 @@ def test_quantized_model_fast_equals_reference_logits(tiny_model_dir, quant, gro
     assert fast.weight_bytes < base.weight_bytes / (1.9 if quant in ("bf16", "fp16") else 3.5)
 
 
+def test_weight_format_is_a_function_from_model_to_model(tiny_model_dir, tmp_path):
+    """Chapter 12 reaches every engine as one function, found by name (kit/plugins.py): settings are
+    checked when it is made, before any weights load; applied, it leaves the float model untouched."""
+    from kit import plugins
+
+    assert plugins.plugin("weight_format") is quant16.weight_format
+    base = model10.LlamaModel.from_folder(tiny_model_dir)
+    to_int4 = quant16.weight_format("int4", 64, "int8")
+    model = to_int4(base)
+    assert isinstance(model, quant16.QuantizedModel) and model.format_name == quant16.describe("int4", 64, "int8")
+    qkv = model.w["model.layers.0.qkv"]
+    assert isinstance(qkv, quant16.Int4Weight) and qkv.group_size == 64
+    assert isinstance(model.w["embed"], quant16.Int8Weight) and isinstance(base.w["model.layers.0.qkv"], torch.Tensor)
+    reference = quant16.weight_format("int8", path="reference")(base)
+    assert reference.w["model.layers.1.down"].path == "reference" and reference.format_name == "int8"
+    # The model runner's loader: the same weights as the function applied by hand.
+    loaded = runner10.load_model(tiny_model_dir, quant="int4", group_size=64, quant_head="int8")
+    assert type(loaded) is quant16.QuantizedModel and loaded.format_name == model.format_name
+    batch = model10.RaggedBatch.build([list(range(100, 120))], [0], [0], 20)
+    assert torch.equal(loaded.forward(batch, loaded.new_cache(1, 20)), model.forward(batch, model.new_cache(1, 20)))
+    assert type(runner10.load_model(tiny_model_dir)) is model10.LlamaModel      # quant=None: the model's own
+    for settings, message in (({"quant": "int3"}, "unknown quantisation mode"),
+                              ({"quant": "int4", "group_size": 48}, "group size must be one of"),
+                              ({"quant": "int8", "head": "int3"}, "unknown head format")):
+        with pytest.raises(ValueError, match=message):
+            quant16.weight_format(**settings)
+    # A typo costs nothing: refused before the (here missing) weights are looked for.
+    with pytest.raises(ValueError, match="unknown quantisation mode"):
+        runner10.load_model(tmp_path / "no-model-here", quant="int3")
+
+
 def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch):
     """06_benchmark and 05_server build Class(model, device=...): the mode comes from the environment."""
     monkeypatch.setenv("ENGINE_QUANT", "int4")
@@ -138,29 +172,128 @@ def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch)
     assert int8.quant == "int8" and isinstance(int8.model.w["embed"], quant16.Int8Weight)
 
 
+# ---------------------------------------------------------------- formats compose with the assembled engine
+# A chat service's prompts start alike: the shared text is what a prefix cache can serve the second time.
+SHARED_SYSTEM = "You are a helpful assistant of the city library. Answer in one short, friendly sentence. " * 3
+N_QUANT = 12
+
+
+@pytest.fixture(scope="module")
+def quantized_reference(tiny_model_dir):
+    """Chapter 12's own engine per format (Chapter 6's loop on quantised weights): greedy answers,
+    alone and as one batch, each computed once."""
+    engines = {quant: engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant=quant, group_size=32,
+                                               quant_head="auto") for quant in ("int8", "int4")}
+    memo = {}
+
+    def answers(quant: str, prompts: tuple[str, ...], batched: bool):
+        if (quant, prompts, batched) not in memo:
+            e = engines[quant]
+            memo[quant, prompts, batched] = e.generate_batch(list(prompts), N_QUANT) if batched else \
+                [e.generate(p, N_QUANT) for p in prompts]
+        return memo[quant, prompts, batched]
+    answers.engines = engines
+    return answers
+
+
+def same_answers(got, want) -> None:
+    assert [(r.output_ids, r.text, r.finish_reason) for r in got] == \
+        [(r.output_ids, r.text, r.finish_reason) for r in want]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_continuous_batching_on_quantised_weights_equals_the_quantised_engine(
+        quant, prefix_caching, tiny_model_dir, quantized_reference, reference_prompts):
+    """Chapter 9's engine with quant= (and prefix caching, chunked prefills) gives token for token what
+    Chapter 12's engine of the same format gives: the format is the model the runner holds, nothing else.
+    With the cache on, every prompt runs twice: the second run's prefills start after the cached blocks."""
+    engine = cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=512 * 8 * 512, block_size=8,
+                                           max_num_seqs=4, max_num_batched_tokens=32, quant=quant, group_size=32,
+                                           prefix_caching=prefix_caching)
+    chunks = []
+    engine.on_step = lambda work, events: chunks.extend(
+        0 < s < r.n_prompt for r, s in zip(work.requests, work.starts))
+    try:
+        assert engine.quant == quantized_reference.engines[quant].quant == quant16.describe(quant, 32)
+        assert engine.features()["quant"] == engine.quant and engine.prefix_caching is prefix_caching
+        for prompts in (tuple(reference_prompts), tuple(SHARED_SYSTEM + p for p in reference_prompts)):
+            runs = [engine.generate_batch(list(prompts), N_QUANT) for _ in range(2 if prefix_caching else 1)]
+            for got in runs:
+                same_answers(got, quantized_reference(quant, prompts, batched=True))
+            alone = [engine.generate(p, N_QUANT) for p in prompts]
+            same_answers(alone, quantized_reference(quant, prompts, batched=False))
+            if not prefix_caching:
+                assert all(r.metrics.cached_tokens is None for r in runs[0] + alone)
+                continue
+            # Seen before: every full block but the one holding the prompt's last token came from the cache.
+            full_blocks = [(len(engine.tokenizer(p).input_ids) - 1) // 8 * 8 for p in prompts]
+            for got in (runs[1], alone):
+                assert [r.metrics.cached_tokens for r in got] == full_blocks
+            if prompts[0].startswith(SHARED_SYSTEM):
+                assert all(r.metrics.cached_tokens > 0 for r in runs[1] + alone)
+    finally:
+        engine.close()
+    assert any(chunks)     # 32 tokens a step: the long prompts were prefilled in chunks
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.blocks.tables
+
+
+@pytest.mark.real_model
+def test_real_model_continuous_batching_int8_equals_the_int8_engine(default_model_dir, reference_prompts):
+    """The same on SmolLM2-135M, int8, a few reference prompts (one ends on EOS), 16 new tokens; the cached
+    run repeats each batch. Batches are compared with batches: the packed kernels read bf16 activations,
+    so a prompt alone and the same prompt next to others can part at a near-tie (reference prompts 2 and 5
+    do, in Chapter 12's engine itself); given the same requests, the two engines must agree exactly."""
+    want = engine16.Int8Engine(str(default_model_dir), device="cpu")
+    prompt_sets = [reference_prompts[:4], [SHARED_SYSTEM + p for p in reference_prompts[:2]]]
+    expected = [want.generate_batch(prompts, 16) for prompts in prompt_sets]
+    assert {r.finish_reason for r in expected[0]} == {"stop", "length"}
+    for prefix_caching in (False, True):
+        engine = cb13.ContinuousBatchingEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20,
+                                               quant="int8", prefix_caching=prefix_caching)
+        try:
+            assert engine.quant == want.quant == "int8"
+            for prompts, wanted in zip(prompt_sets, expected):
+                runs = [engine.generate_batch(prompts, 16) for _ in range(2 if prefix_caching else 1)]
+                for got in runs:
+                    same_answers(got, wanted)
+                if prefix_caching:   # the repeated batch: every full block but the last token's, from the cache
+                    cached = [r.metrics.cached_tokens for r in runs[1]]
+                    assert cached == [(len(engine.tokenizer(p).input_ids) - 1) // 16 * 16 for p in prompts]
+                    assert min(cached) > 0 if prompts[0].startswith(SHARED_SYSTEM) else max(cached) > 0
+        finally:
+            engine.close()
+
+
 def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
     with pytest.raises(ValueError, match="unknown quantisation mode"):
-        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int3")
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int3")
     with pytest.raises(ValueError, match="group size must be one of"):
-        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=48)
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=48)
     # The tiny model's layers have 64 inputs: groups of 128 cannot tile them.
     with pytest.raises(ValueError, match=r"layers\.0\.qkv: int4 group size 128 does not divide the layer's 64"):
-        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=128)
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=128)
     with pytest.raises(ValueError, match="does not divide"):
         quant16.quantize_int4(torch.randn(8, 100), 32)
     monkeypatch.setenv("ENGINE_GROUP_SIZE", "many")
     with pytest.raises(ValueError, match="ENGINE_GROUP_SIZE"):
-        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4")
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4")
     with pytest.raises(ValueError, match="path must be"):
         quant16.Int8Weight(torch.randn(4, 32), path="quick")
     with pytest.raises(ValueError, match="cannot read mode"):
         demo16.parse_mode("int4-q32")
     monkeypatch.delenv("ENGINE_GROUP_SIZE")
     with pytest.raises(ValueError, match="unknown head format"):
-        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8", head="int3")
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8", quant_head="int3")
     monkeypatch.setenv("ENGINE_QUANT_HEAD", "yes")
     with pytest.raises(ValueError, match="unknown head format 'yes'"):
-        quant16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8")
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8")
+    # Every engine from Chapter 6 on takes the same keywords, checked the same way.
+    with pytest.raises(ValueError, match="unknown quantisation mode"):
+        cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int3")
+    with pytest.raises(ValueError, match="group size must be one of"):
+        cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int4",
+                                      group_size=48)
     assert demo16.parse_mode("int4-g64-int4head") == ("int4", 64, "int4")
 
 

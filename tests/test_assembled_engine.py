@@ -1,0 +1,74 @@
+"""The assembled engine through the server: Chapter 9's engine with Chapter 12's weights and
+Chapter 8's prefix cache answers 16 concurrent clients exactly as Chapter 12's engine answers
+each of them alone (greedy, token for token)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+
+import httpx
+import pytest
+
+from conftest import load_script
+
+server = load_script("05_server")
+cb = load_script("13_continuous_batching_engine")
+quant_engines = load_script("16_quantization_engine")
+plugins = importlib.import_module("kit.plugins")
+SamplingParams = load_script("03_contracts").SamplingParams
+
+SYSTEM = "You are a careful assistant. Answer briefly and stay on topic. " * 3   # shared: a prefix cache hit
+
+
+def prompts(reference_prompts: list[str]) -> list[str]:
+    """16 prompts: the reference prompts alone, and behind one shared system text."""
+    return [*reference_prompts, *(SYSTEM + p for p in reference_prompts)][:16]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir, reference_prompts):
+    """Chapter 12's engine, one request at a time: the answers to match."""
+    answers = {}
+    for quant in ("int8", "int4"):
+        engine = quant_engines.QuantizedEngine(str(tiny_model_dir), device="cpu", quant=quant, group_size=32)
+        answers[quant] = [engine.generate(p, 12, SamplingParams(ignore_eos=True)).output_ids
+                          for p in prompts(reference_prompts)]
+    return answers
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_16_concurrent_clients_get_chapter_12s_answers(tiny_model_dir, reference_prompts, alone, quant, prefix_caching):
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=2 << 20, quant=quant,
+                                         group_size=32, prefix_caching=prefix_caching, max_num_batched_tokens=64)
+    app = server.make_app(engine)
+    texts = prompts(reference_prompts)
+
+    async def clients():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            bodies = [{"prompt": p, "max_tokens": 12, "ignore_eos": True, "logprobs": 0} for p in texts]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    try:
+        responses = asyncio.run(clients())
+        for response, expected in zip(responses, alone[quant]):
+            assert response.status_code == 200, response.text
+            tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+            assert tokens == [engine.tokenizer.decode([t]) for t in expected]
+        usage = [r.json()["usage"] for r in responses]
+        cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage)
+        assert (cached > 0) == prefix_caching, usage     # the shared system text came from the cache
+        assert engine.features()["quant"].startswith(quant) and engine.features()["prefix_caching"] == prefix_caching
+    finally:
+        engine.close()
+
+
+def test_a_weight_format_is_found_by_name_and_checked_before_loading(tiny_model_dir):
+    to_int8 = plugins.plugin("weight_format")("int8", 32, "auto")
+    assert callable(to_int8)
+    with pytest.raises(ValueError, match="unknown quantisation mode"):
+        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", quant="int3")
+    with pytest.raises(ValueError, match="cannot load"):
+        plugins.load_object("no_such_module:thing")
