@@ -25,8 +25,8 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
 
+from kit import cli, plugins
 from kit import threads as cpu_threads
-from kit import cli
 
 setup = importlib.import_module("01_setup")
 contracts = importlib.import_module("03_contracts")
@@ -352,13 +352,10 @@ def load_engine(spec: str = "04_engine:BaselineEngine", model: str | None = None
 
     This is how the server and the benchmarks stay unchanged as chapters add engines.
     """
-    module_name, _, class_name = MOVED_ENGINES.get(spec, spec).partition(":")
-    if not class_name or not module_name or module_name.startswith("."):
-        raise ValueError(f"engine spec must look like 'module:Class', got {spec!r}")
     try:
-        engine_class = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load engine {spec!r}: {exc}") from exc
+        engine_class = plugins.load_object(MOVED_ENGINES.get(spec, spec), "Class")   # 'module:attribute', imported
+    except ValueError as exc:
+        raise ValueError(f"cannot load engine {spec!r}: {exc}") from None
     if not (isinstance(engine_class, type) and issubclass(engine_class, BaseOfflineEngine)) \
             or inspect.isabstract(engine_class):
         raise ValueError(f"{spec!r} is not an engine: a concrete BaseOfflineEngine subclass")

@@ -17,11 +17,11 @@ PLUGINS = {
 }
 
 
-def load_object(spec: str):
+def load_object(spec: str, kind: str = "attribute"):
     """The attribute a 'module:attribute' spec names; ValueError if there is none."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr or module_name.startswith("."):
-        raise ValueError(f"a spec must look like 'module:attribute', got {spec!r}")
+        raise ValueError(f"a spec must look like 'module:{kind}', got {spec!r}")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

@@ -63,7 +63,7 @@ def test_memory_sizes_parse():
     (["05_server.py", "--port", "70000"], "argument --port: 70000 is out of range"),
     (["05_server.py", "--host", ""], "--host must name an address"),
     (["04_engine.py", "--device", "tpu"], "unknown device 'tpu'"),
-    (["05_server.py", "--engine", ".x:Y"], "engine spec must look like 'module:Class'"),
+    (["05_server.py", "--engine", ".x:Y"], "a spec must look like 'module:Class'"),
 ])
 def test_scripts_refuse_bad_flags_in_one_line(argv, message):
     proc = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
