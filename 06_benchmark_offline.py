@@ -13,9 +13,9 @@ request, and summarise latency as mean and p50/p90/p99: the slow tail is what us
         --engine 07_decode_loop:DecodeLoopEngine --json results/offline.json --plot results/offline.png
     python 06_benchmark_offline.py --workload mixed --ignore-eos --runs 1 \\
         --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine \\
-        --engine 13_continuous_batching:ContinuousBatchingEngine --batch StaticBatchEngine
+        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch StaticBatchEngine
     python 06_benchmark_offline.py --workload mixed --ignore-eos --runs 1 \\
-        --engine 13_continuous_batching:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
+        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
 
 `--workload mixed` is Chapter 9's: 32 requests with the prompt lengths and budgets of
 `data/mixed_workload.json`, each with its own max_new_tokens. An engine with an engine

@@ -17,7 +17,7 @@ keeps at most C in flight. `--request-rate R` releases them at random, seeded
 times (a Poisson process, R per second on average), like independent users would.
 
     python 06_benchmark_online.py --workload mixed --concurrency 32 --runs 1 --ignore-eos \\
-        --engine 04_engine:BaselineEngine --engine 13_continuous_batching:ContinuousBatchingEngine
+        --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine
 
 `--workload mixed` sends Chapter 9's mixed lengths (plain-text completions, each with its
 own max_tokens). Besides throughput, goodput: the share and the rate of requests that met
@@ -28,7 +28,7 @@ The engine's feature flags (`--quant`, `--prefix-caching`, `--kv-memory`, `--max
 are passed on to every server launched, as 05_server.py's own flags of the same names.
 
     python 06_benchmark_online.py --workload mixed --concurrency 32 --runs 1 --ignore-eos \\
-        --engine 13_continuous_batching:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
+        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
 """
 
 from __future__ import annotations

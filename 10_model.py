@@ -396,7 +396,7 @@ class LlamaModel:
                 timer=None) -> torch.Tensor:
         """Logits of each sequence's last new token, [seqs, vocab] (or of every token).
 
-        `timer(name)` is an optional context manager factory (the --profile flag uses it).
+        `timer(name)` is an optional context manager factory (10_profile.py uses it).
         """
         c, w = self.config, self.w
         timer = timer or (lambda name: contextlib.nullcontext())
