@@ -211,7 +211,7 @@ def show(tokenizer, title: str, before: torch.Tensor, after: torch.Tensor, rows:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Sampling made visible on the model's next-token logits.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False)
     parser.add_argument("--prompt", default="My favourite hobby is")
     parser.add_argument("--seed", type=cli.integer(*contracts.SEED_RANGE), default=0)
     args = parser.parse_args()

@@ -386,23 +386,10 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class _TorchThreads(argparse.Action):
-    def __call__(self, parser, namespace, value, option_string=None):
-        torch.set_num_threads(value)
-        setattr(namespace, self.dest, value)
-
-
-def add_threads_flag(parser: argparse.ArgumentParser) -> None:
-    """--threads N sets torch's CPU threads as it is parsed. On a 2-core machine shared with
-    other work, torch's two threads mostly wait for each other; one thread is steadier."""
-    parser.add_argument("--threads", type=cli.integer(1, 1024), default=None, action=_TorchThreads,
-                        help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
-
-
 def demo_parser(description: str) -> argparse.ArgumentParser:
     """The command-line flags every engine script shares (later chapters add their own)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser)
     parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -410,7 +397,6 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                         help="weights' precision: float32 everywhere; bfloat16/float16 halve memory on a GPU")
     return parser

@@ -21,6 +21,8 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
+from kit import cli
+
 sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
 SamplingParams = contracts.SamplingParams
@@ -113,7 +115,7 @@ def main() -> None:
 
     setup = importlib.import_module("01_setup")
     parser = argparse.ArgumentParser(description="HF generate with the hooks that serve SamplingParams.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False)
     parser.add_argument("--prompt", default="The three primary colours are")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     args = parser.parse_args()

@@ -175,8 +175,7 @@ def plot(cached: DecodeRun, uncached: DecodeRun, path: Path, title: str) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Decode with and without the KV cache; size the cache.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, mps (default: best available)")
+    cli.add_model_flags(parser)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--steps", type=cli.integer(1, 100_000), default=128, help="tokens to decode each way")
     parser.add_argument("--repeats", type=cli.integer(1, 100), default=2,

@@ -189,8 +189,7 @@ def plot(table: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 5: static batching, measured against batch size.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    cli.add_model_flags(parser)
     parser.add_argument("--sizes", type=cli.integer(1, 256), nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--max-new-tokens", type=cli.integer(1, 100_000), default=32)
     parser.add_argument("--repeats", type=cli.integer(1, 100), default=2,

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from kit import cli
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 
 
@@ -441,7 +443,7 @@ def main() -> None:
 
     setup = importlib.import_module("01_setup")
     parser = argparse.ArgumentParser(description="Chapter 6: our Llama forward pass, checked against HF's.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False)
     parser.add_argument("--prompt", default="The capital of France is")
     args = parser.parse_args()
     folder = setup.resolve_model(args.model)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kit import plugins
+from kit import cli, plugins
 
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
@@ -82,7 +82,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description="Chapter 6: a model runner stepped by hand.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False)
     parser.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     args = parser.parse_args()
     folder = setup.resolve_model(args.model)

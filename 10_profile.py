@@ -161,10 +161,8 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="Chapter 6: where one decode step's time goes, against the floors.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None, help="save a bar chart")
-    engine04.add_threads_flag(parser)
     args = parser.parse_args()
     try:
         engine = engine10.ModelEngine(args.model, device=args.device)

@@ -176,8 +176,7 @@ def plot(qa: list[dict], chat: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 8: prefix caching, measured on a shared system "
                                                  "prompt and a conversation.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--questions", type=int, default=16, help="how many of the 16 questions to send")
     parser.add_argument("--max-new-tokens", type=cli.integer(1, 4096), default=24)
     parser.add_argument("--block-size", type=int, default=pc.paged.DEFAULT_BLOCK_SIZE)
@@ -185,7 +184,6 @@ def main() -> None:
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
                              "(module:Class taking prefix_caching=), e.g. 13_continuous_batching_engine:ContinuousBatchingEngine")
-    engine04.add_threads_flag(parser)
     args = parser.parse_args()
     workload = load_workload()
     if not 1 <= args.questions <= len(workload["questions"]):

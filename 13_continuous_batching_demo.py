@@ -254,8 +254,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Chapter 9: continuous batching on a mixed workload, traced.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    cli.add_model_flags(parser)
     parser.add_argument("--dtype", default="float32", choices=sorted(engine04.DTYPES))
     parser.add_argument("--requests", type=cli.integer(1, 1000), default=None,
                         help="first N of the mixed workload (default 12)")

@@ -127,13 +127,11 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 9: the assembled engine's switches, one by one.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--requests", type=cli.integer(2, 64), default=32)
     parser.add_argument("--rounds", type=cli.integer(1, 20), default=2, help="alternating rounds")
     parser.add_argument("--no-system", action="store_true", help="the mixed workload alone, no shared system text")
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None)
-    engine04.add_threads_flag(parser)
     args = parser.parse_args()
     try:
         engines = {label: engine13.ContinuousBatchingEngine(args.model, device=args.device, **kw)

@@ -45,10 +45,9 @@ def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 9: the matmuls' bound on continuous batching.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--requests", type=cli.integer(1, 1000), default=32,
                         help="first N of the mixed workload (default 32)")
-    engine04.add_threads_flag(parser)
     args = parser.parse_args()
     try:
         engine = cb.ContinuousBatchingEngine(args.model, device="cpu")

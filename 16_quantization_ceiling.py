@@ -67,10 +67,9 @@ def step_ms(model: model10.LlamaModel, context: int = 40, steps: int = 16) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 12: the matmuls' share of a batch-1 decode step.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4-g32", "int4-g64"])
     parser.add_argument("--rounds", type=cli.integer(1, 100), default=7, help="alternating rounds (the median is shown)")
-    engine04.add_threads_flag(parser)
     args = parser.parse_args()
     try:
         specs = list(dict.fromkeys(["none", *args.modes]))      # float32 first: every ratio is against it

@@ -186,7 +186,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 12: weight formats measured side by side.")
-    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
                         help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32, "
                              "'-int4head' packs it in int4 too")
@@ -199,7 +199,6 @@ def main() -> None:
                         help="also time llama.cpp on this GGUF at batch 1 (needs llama-cpp-python; "
                              "see 16_llama_cpp.py)")
     parser.add_argument("--plot", default=None, metavar="PNG", type=cli.plot_file(), help="speed against perplexity")
-    engine04.add_threads_flag(parser)
     args = parser.parse_args()
     if args.llama_cpp == "":
         parser.error("--llama-cpp needs the path of a GGUF file")

@@ -73,6 +73,26 @@ def _range(low, high) -> str:
     return f"at least {low:g}" if low is not None else f"at most {high:g}"
 
 
+class _TorchThreads(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        import torch   # only when the flag is given: the rest of this module needs no torch
+
+        torch.set_num_threads(value)
+        setattr(namespace, self.dest, value)
+
+
+def add_model_flags(parser: argparse.ArgumentParser, device: bool = True, threads: bool = False) -> None:
+    """--model (and --device, --threads): the flags of every script that loads a model.
+    --threads N sets torch's CPU threads as it is parsed. On a 2-core machine shared with
+    other work, torch's two threads mostly wait for each other; one thread is steadier."""
+    parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    if device:
+        parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    if threads:
+        parser.add_argument("--threads", type=integer(1, 1024), default=None, action=_TorchThreads,
+                            help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
+
+
 def parse_bytes(text: str) -> int:
     """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())

@@ -249,13 +249,15 @@ def test_demo_flags_reach_the_engine_including_dtype(tiny_model_dir, capsys):
     assert engine_mod.demo_parser("test").parse_args([]).dtype == "float32"
 
 
-def test_threads_flag_sets_torch_threads_and_refuses_zero(engine_mod):
+def test_threads_flag_sets_torch_threads_and_refuses_zero():
     import argparse
 
     import torch
 
+    from kit import cli
+
     parser = argparse.ArgumentParser()
-    engine_mod.add_threads_flag(parser)
+    cli.add_model_flags(parser, threads=True)
     saved = torch.get_num_threads()
     try:
         assert parser.parse_args(["--threads", "1"]).threads == 1 and torch.get_num_threads() == 1
