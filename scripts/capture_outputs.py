@@ -96,17 +96,19 @@ CAPTURES = [
     ], timeout_s=1800),
     # Chapter 6 (a model we own): the model checked against HF, a runner stepped by hand, the profile
     Capture("10_model", ["python 10_model.py"], timeout_s=1800),
-    Capture("10_model_runner", ["python 10_model_runner.py"], timeout_s=600),
-    Capture("10_profile", ["python 10_profile.py --plot book/assets/ch6-profile.png"], timeout_s=1800),
-    Capture("10_vs_baseline", [
-        "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model_engine:ModelEngine"
+    Capture("10_model_runner", ["OMP_NUM_THREADS=1 python 10_model_runner.py"], timeout_s=600),
+    Capture("10_profile", ["python 10_profile.py --threads 1 --plot book/assets/ch6-profile.png"], timeout_s=1800),
+    Capture("10_vs_baseline", [   # one thread: on the shared capture machine two threads mostly wait
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model_engine:ModelEngine"
         " --num-prompts 8 --runs 1 --max-new-tokens 32 --ignore-eos",
-        "python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine --engine 10_model_engine:ModelEngine"
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 09_static_batching:StaticBatchEngine"
+        " --engine 10_model_engine:ModelEngine"
         " --batch --batch-size 32 --runs 1 --max-new-tokens 32 --ignore-eos",
     ], timeout_s=1800),
     # Chapter 7 (paged KV cache)
     Capture("11_paged_kv", ["python 11_paged_kv.py"], timeout_s=120),    # a block manager by hand, no model
-    Capture("11_paged_kv_demo", ["python 11_paged_kv_demo.py --plot book/assets/ch7-paged-kv.png"], timeout_s=1800),
+    Capture("11_paged_kv_demo", ["OMP_NUM_THREADS=1 python 11_paged_kv_demo.py --plot book/assets/ch7-paged-kv.png"],
+            timeout_s=1800),
     Capture("11_vs_contiguous", [   # one thread: on the shared capture machine two threads mostly wait
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 10_model_engine:ModelEngine"
         " --engine 11_paged_kv_engine:PagedEngine --num-prompts 8 --runs 3 --max-new-tokens 32 --ignore-eos",
@@ -125,10 +127,12 @@ CAPTURES = [
     # Chapter 9 (continuous batching)
     Capture("13_scheduler", ["python 13_scheduler.py"], timeout_s=120),   # the scheduler's decisions, no model
     Capture("13_continuous_batching_demo", [
-        "python 13_continuous_batching_demo.py --plot book/assets/ch9-timeline.png",
+        # one thread: on the shared capture machine two threads mostly wait for each other
+        "OMP_NUM_THREADS=1 python 13_continuous_batching_demo.py --plot book/assets/ch9-timeline.png",
     ], timeout_s=1800),
     Capture("13_preemption", [
-        "python 13_continuous_batching_demo.py --kv-memory 16MB --no-compare --plot book/assets/ch9-preemption.png",
+        "OMP_NUM_THREADS=1 python 13_continuous_batching_demo.py --kv-memory 16MB --no-compare"
+        " --plot book/assets/ch9-preemption.png",
     ], timeout_s=1800),
     Capture("13_benchmark_offline", [
         "python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1 --ignore-eos"
@@ -142,12 +146,12 @@ CAPTURES = [
     Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
     # The assembled engine: the same traffic with its switches turned on one by one
     Capture("13_switches", [
-        "python 13_continuous_batching_switches.py --plot book/assets/ch9-switches.png",
+        "python 13_continuous_batching_switches.py --threads 1 --plot book/assets/ch9-switches.png",
     ], timeout_s=3600),
     # Chapter 12 (quantisation)
     Capture("16_quantization", ["python 16_quantization.py"], timeout_s=300),   # the formats on one matrix
     Capture("16_quantization_demo", [
-        "python 16_quantization_demo.py --plot book/assets/ch12-quantization.png",
+        "python 16_quantization_demo.py --threads 1 --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
