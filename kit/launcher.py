@@ -64,13 +64,10 @@ def serve_in_subprocess(model: str | None = None, engine: str | None = None, dev
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=SERVER_SCRIPT.parent,
                                 env={**os.environ, **(env or {})})
         try:
-            deadline = time.monotonic() + startup_timeout_s
-            while not healthy(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = "".join(log.readlines()[-15:])
-                    raise RuntimeError(f"the server ({engine or 'default engine'}) did not come up, exit code {proc.returncode}:\n{tail}")
-                time.sleep(0.25)
+            if not wait_until_healthy(url, proc, startup_timeout_s):
+                log.seek(0)
+                tail = "".join(log.readlines()[-15:])
+                raise RuntimeError(f"the server ({engine or 'default engine'}) did not come up, exit code {proc.returncode}:\n{tail}")
             yield url
         finally:
             proc.terminate()
@@ -79,6 +76,16 @@ def serve_in_subprocess(model: str | None = None, engine: str | None = None, dev
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> bool:
+    """True once /health answers; False if the process ends or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while not healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
 
 
 def healthy(url: str) -> bool:

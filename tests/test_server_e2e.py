@@ -189,10 +189,7 @@ def test_uvicorn_serves_the_module_level_app(tiny_model_dir):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while not launcher.healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "uvicorn did not come up"
-            time.sleep(0.25)
+        assert launcher.wait_until_healthy(url, proc), "uvicorn did not come up"
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == str(tiny_model_dir)
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3

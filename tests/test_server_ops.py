@@ -186,10 +186,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while not launcher.healthy(url):
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.25)
+        assert launcher.wait_until_healthy(url, proc), "the server did not come up"
         body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
