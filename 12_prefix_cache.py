@@ -174,6 +174,15 @@ class PrefixCachingBlockManager(paged.BlockManager):
         del self.lengths[seq_id]
         self.chains.pop(seq_id, None)
 
+    def reset(self) -> None:
+        """Forget every cached block (vLLM's reset_prefix_cache), e.g. between two measurements;
+        the on/off switch stays where it was. Only while no sequence holds blocks."""
+        if self.tables:
+            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
+        enabled = self.enabled
+        self.__init__(self.num_blocks, self.block_size)   # every table and count as it was when new
+        self.enabled = enabled
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

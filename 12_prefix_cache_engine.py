@@ -53,11 +53,7 @@ class PrefixCachingEngine(engine11.PagedEngine):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
-        if self.blocks.tables:
-            raise RuntimeError("cannot reset the prefix cache while requests hold blocks")
-        on, self.blocks = self.prefix_caching, prefix12.PrefixCachingBlockManager(self.pool.num_blocks,
-                                                                                 self.pool.block_size)
-        self.blocks.enabled = on
+        self.blocks.reset()
 
     def stats(self) -> dict:
         if not self.prefix_caching:

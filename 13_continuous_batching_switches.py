@@ -57,8 +57,7 @@ def traffic(tokenizer, n: int, system: bool) -> list[workloads.WorkItem]:
 # --8<-- [start:run]
 def run_once(engine, items: list, params) -> tuple[list, float, list]:
     """Every request handed to the engine loop at once; (records, seconds until the last is done, results)."""
-    if engine.prefix_caching:
-        engine.reset_prefix_cache()                   # every run starts cold: no round helps the next
+    engine.reset_prefix_cache()                       # every run starts cold: no round helps the next
     t0 = time.perf_counter()
     streams = [engine.submit(it.prompt, it.max_new_tokens, params) for it in items]
     results = [s.result() for s in streams]           # the engine finishes each in its own time

@@ -72,3 +72,16 @@ def test_a_weight_format_is_found_by_name_and_checked_before_loading(tiny_model_
         cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", quant="int3")
     with pytest.raises(ValueError, match="cannot load"):
         plugins.load_object("no_such_module:thing")
+
+
+def test_reset_forgets_the_cache_the_scheduler_uses(tiny_model_dir, reference_prompts):
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=2 << 20, prefix_caching=True)
+    try:
+        prompt = SYSTEM + reference_prompts[0]
+        engine.generate(prompt, 4)
+        assert engine.generate(prompt, 4).metrics.cached_tokens > 0
+        engine.reset_prefix_cache()
+        assert engine.scheduler.blocks is engine.blocks and not engine.blocks.content
+        assert engine.generate(prompt, 4).metrics.cached_tokens == 0     # cold again
+    finally:
+        engine.close()
