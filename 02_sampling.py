@@ -95,6 +95,12 @@ class TokenHistory:
     def add(self, token_id: int) -> None:
         self.output_counts[token_id] += 1
 
+    def copy(self) -> TokenHistory:
+        """An independent copy (speculative decoding, Chapter 10, tries tokens on it)."""
+        twin = object.__new__(TokenHistory)
+        twin.prompt_seen, twin.output_counts = self.prompt_seen, self.output_counts.clone()
+        return twin
+
 
 def apply_logit_bias(logits: torch.Tensor, biases: list) -> torch.Tensor:
     """Row i gets biases[i], a sequence of (token id, amount), added to its logits."""
@@ -181,11 +187,16 @@ def sample_next_token(logits: torch.Tensor, params, generator: torch.Generator |
         logits = adjust_logits(logits.unsqueeze(0), [params], [history])[0]
     if params.is_greedy:
         return int(greedy(logits))
+    return int(torch.multinomial(probabilities(logits, params), num_samples=1, generator=generator))
+
+
+def probabilities(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a sampled token is drawn from: temperature, top-k, top-p, softmax
+    (speculative decoding, Chapter 10, compares two of them)."""
     logits = apply_temperature(logits.float(), params.temperature)
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
-    probs = logits.softmax(dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+    return logits.softmax(dim=-1)
 # --8<-- [end:sample]
 # --8<-- [end:functions]
 

@@ -175,6 +175,8 @@ class RequestMetrics:
     tpot_ms: float | None = None    # time per output token after the first: the decode pace
     queue_ms: float | None = None   # arrival -> first scheduled (engines with a scheduler, Chapter 9)
     cached_tokens: int | None = None  # prompt tokens whose K/V a prefix cache served (Chapter 8)
+    draft_tokens: int | None = None     # guessed tokens verified (speculative decoding, Chapter 10)
+    accepted_tokens: int | None = None  # ... of which the model kept this many
 
     def as_dict(self) -> dict:
         """A JSON-ready dict that leaves out what was not measured (no misleading nulls)."""
@@ -208,6 +210,12 @@ class TextPiece(str):
         piece = super().__new__(cls, text)
         piece.logprobs = tuple(logprobs)
         return piece
+
+
+def join_pieces(pieces: list[str]) -> str:
+    """Several tokens' pieces as one, keeping the log-probabilities they carry."""
+    logprobs = [lp for p in pieces for lp in getattr(p, "logprobs", ())]
+    return TextPiece("".join(pieces), logprobs) if logprobs else "".join(pieces)
 # --8<-- [end:logprobs]
 
 

@@ -98,14 +98,14 @@ class IncrementalDetokenizer:
 # --8<-- [end:stop-text]
 
 
-def attach_logprobs(piece: str, logprobs: list | None, sent: int) -> tuple[str, int]:
-    """Hand the log-probabilities not yet sent out with the next non-empty text piece.
-
-    Returns the piece (a TextPiece when it carries some) and how many are now sent.
+def attach_logprobs(piece: str, logprobs: list | None, sent: int, upto: int | None = None) -> tuple[str, int]:
+    """Hand the log-probabilities not yet sent out (of the first `upto` tokens) with the next
+    non-empty text piece. Returns the piece (a TextPiece when it carries some) and how many are now sent.
     """
-    if logprobs is None or not piece or sent == len(logprobs):
+    end = len(logprobs or ()) if upto is None else min(upto, len(logprobs or ()))
+    if logprobs is None or not piece or sent >= end:
         return piece, sent
-    return contracts.TextPiece(piece, logprobs[sent:]), len(logprobs)
+    return contracts.TextPiece(piece, logprobs[sent:end]), end
 
 
 # --8<-- [start:tokenize]
@@ -424,12 +424,14 @@ def demo(engine_class: type[BaseOfflineEngine], args: argparse.Namespace, **engi
 # --8<-- [end:main]
 
 
-def engine_main(engine_class: type[BaseOfflineEngine], description: str):
+def engine_main(engine_class: type[BaseOfflineEngine], description: str, **defaults):
     """An engine script's main(): the shared flags, plus a flag for each feature the engine's
-    constructor takes (kit/cli.py's engine options), then one request through demo()."""
+    constructor takes (kit/cli.py's engine options), then one request through demo().
+    defaults: features switched on unless the command line says otherwise."""
     parser = demo_parser(description)
     takes = inspect.signature(engine_class).parameters
     cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS if name in takes))
+    parser.set_defaults(**defaults)
     args = parser.parse_args()
     return demo(engine_class, args, **cli.engine_options(args))
 

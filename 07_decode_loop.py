@@ -67,6 +67,10 @@ class Request:
     admitted: float | None = None                 # first time a scheduler ran it (Chapter 9)
     preemptions: int = 0
     sink: object = None                           # where an engine loop sends its text (live traffic)
+    # Speculative decoding (Chapter 10): guesses fed after the output, until verified
+    draft_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0                          # guesses verified so far
+    num_accepted: int = 0                         # ... and kept
 
     @property
     def n_prompt(self) -> int:
@@ -77,11 +81,11 @@ class Request:
         return len(self.prompt_ids) + len(self.new_ids)
 
     def tokens(self, start: int, n: int) -> list[int]:
-        """Tokens start .. start+n-1 of prompt + output."""
-        p = len(self.prompt_ids)
+        """Tokens start .. start+n-1 of prompt + output (+ guesses awaiting verification)."""
+        p, after = len(self.prompt_ids), self.new_ids + self.draft_ids
         if start >= p:
-            return self.new_ids[start - p: start - p + n]
-        return (self.prompt_ids + self.new_ids)[start: start + n]
+            return after[start - p: start - p + n]
+        return (self.prompt_ids + after)[start: start + n]
 # --8<-- [end:request]
 
 
@@ -141,7 +145,7 @@ class OutputProcessor:
         elif len(r.new_ids) >= r.budget:
             r.finish_reason = "length"
         piece = piece + r.detok.flush() if r.finish_reason else piece
-        piece, r.logprobs_sent = engine04.attach_logprobs(piece, r.logprobs, r.logprobs_sent)
+        piece, r.logprobs_sent = engine04.attach_logprobs(piece, r.logprobs, r.logprobs_sent, len(r.new_ids))
         return piece
     # --8<-- [end:accept]
 
@@ -154,7 +158,8 @@ class OutputProcessor:
             ttft_ms=(r.t_first - r.arrival) * 1e3,                          # arrival -> first token ready
             tpot_ms=(r.t_last - r.t_first) / (n - 1) * 1e3 if n > 1 else None,   # mean gap after that
             queue_ms=None if r.admitted is None else (r.admitted - r.arrival) * 1e3,
-            cached_tokens=r.cached_tokens)
+            cached_tokens=r.cached_tokens,
+            **({"draft_tokens": r.num_drafted, "accepted_tokens": r.num_accepted} if r.num_drafted else {}))
         return GenerateResult(text=r.detok.text, output_ids=list(r.new_ids), metrics=metrics,
                               finish_reason=r.finish_reason or "length",
                               logprobs=None if r.logprobs is None else list(r.logprobs[:n]))

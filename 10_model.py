@@ -395,8 +395,9 @@ class LlamaModel:
     # --8<-- [start:forward]
     @torch.inference_mode()
     def forward(self, batch: RaggedBatch, cache: KVCache, all_logits: bool = False,
-                timer=None) -> torch.Tensor:
-        """Logits of each sequence's last new token, [seqs, vocab] (or of every token).
+                timer=None, num_logits: list[int] | None = None) -> torch.Tensor:
+        """Logits of each sequence's last new token, [seqs, vocab] (or of every token, or of the
+        last num_logits[i] new tokens of sequence i: a speculative verification, Chapter 10).
 
         `timer(name)` is an optional context manager factory (10_profile.py uses it).
         """
@@ -413,7 +414,11 @@ class LlamaModel:
                 gate, up = self.linear(rms_norm(x, w[p + "norm2"], c.rms_norm_eps), p + "gate_up").chunk(2, dim=-1)
                 x = x + self.linear(F.silu(gate) * up, p + "down")  # SwiGLU: gate and up from one matmul
         with timer("lm_head"):
-            if not all_logits:   # only the last token of each sequence predicts what comes next
+            if num_logits is not None:    # the last few tokens of each sequence predict
+                ends = itertools.accumulate(batch.lengths)
+                x = x[torch.tensor([j for end, m in zip(ends, num_logits) for j in range(end - m, end)],
+                                   device=x.device)]
+            elif not all_logits:   # only the last token of each sequence predicts what comes next
                 last = torch.tensor(batch.lengths, device=x.device).cumsum(0) - 1
                 x = x[last]
             return self.linear(rms_norm(x, w["norm"], c.rms_norm_eps), "lm_head").float()

@@ -227,13 +227,27 @@ class BlockManager:
         self.lengths[seq_id] = n + 1
         return table[n // self.block_size] * self.block_size + n % self.block_size
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep slots for the first num_tokens tokens only; whole blocks past them go back
+        (speculative decoding, Chapter 10, gives back the slots of rejected guesses)."""
+        table = self.tables[self._known(seq_id)]
+        if not 1 <= num_tokens <= self.lengths[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of {self.lengths[seq_id]} tokens to {num_tokens}")
+        while len(table) > self.blocks_for(num_tokens):
+            self._release(table.pop())
+        self.lengths[seq_id] = num_tokens
+
+    def _release(self, block: int) -> None:
+        """One owner fewer; a block nobody owns is free again."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
     def free(self, seq_id: int) -> None:
         """Give back a finished (or aborted, or preempted) sequence's blocks; shared ones stay
         in use until their last owner lets go."""
         for block in self.tables.pop(self._known(seq_id)):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+            self._release(block)
         del self.lengths[seq_id]
 # --8<-- [end:block-manager]
 

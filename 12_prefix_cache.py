@@ -165,14 +165,18 @@ class PrefixCachingBlockManager(paged.BlockManager):
         if seq_id not in self.tables:
             raise ValueError(f"sequence {seq_id} has no blocks (never allocated, or freed already)")
         for block in reversed(self.tables.pop(seq_id)):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self.content:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
+            self._release(block)
         del self.lengths[seq_id]
         self.chains.pop(seq_id, None)
+
+    def _release(self, block: int) -> None:
+        """One owner fewer; a cached block nobody owns keeps its K/V, evictable."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self.content:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
 
     def reset(self) -> None:
         """Forget every cached block (vLLM's reset_prefix_cache), e.g. between two measurements;

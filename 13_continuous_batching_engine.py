@@ -19,6 +19,8 @@ same name as the flag of 05_server.py and of both benchmarks:
     kv_memory, block_size           the KV pool: bytes, and tokens per block
     max_num_seqs                    sequences in one step, at most
     max_num_batched_tokens          tokens in one step, at most (the prefill chunk size)
+    speculative, num_speculative_tokens, draft_model
+                                    guess tokens and verify them in one step (Chapter 10)
 
     python 13_continuous_batching_engine.py --quant int8 --prefix-caching   # one prompt, as 04_engine.py
     python 13_continuous_batching_demo.py                # a mixed workload, traced step by step
@@ -41,6 +43,7 @@ from collections.abc import Iterator
 
 import torch
 
+from kit import plugins
 from kit import threads as cpu_threads
 
 engine04 = importlib.import_module("04_engine")
@@ -60,8 +63,11 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
                  dtype: torch.dtype = torch.float32, kv_memory: int = paged.DEFAULT_KV_MEMORY,
                  block_size: int = paged.DEFAULT_BLOCK_SIZE, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 256, prefix_caching: bool = False,
-                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto"):
+                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
+                 speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None):
         scheduler13.Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)   # before loading a model
+        speculator = plugins.plugin("speculator")(speculative, num_speculative_tokens, draft_model) \
+            if speculative is not None else None        # Chapter 10's, found by name (checked now)
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         if prefix_caching:   # Chapter 8: admission shares a cached prefix; each step publishes full blocks
@@ -69,6 +75,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         # Chapters 6, 7 and 12: tokenizer, output processor, model runner on a KV pool, block manager
         super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head)
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.speculator = speculator(self) if speculator else None
         self.on_step = None                  # the demo's tracer: called with each step's record
         self.recent_batches: collections.deque = collections.deque(maxlen=64)
         self._cv, self._inbox, self._aborts, self._closing = threading.Condition(), [], set(), False
@@ -81,7 +88,9 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         return self.blocks.caches_prefixes
 
     def features(self) -> dict:
-        return {**super().features(), "max_num_batched_tokens": self.scheduler.max_num_batched_tokens}
+        spec = {"speculative": self.speculator.name, "num_speculative_tokens": self.speculator.k} \
+            if self.speculator else {}
+        return {**super().features(), "max_num_batched_tokens": self.scheduler.max_num_batched_tokens, **spec}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
@@ -95,25 +104,45 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         """One scheduler decision, one step of the model runner, one token for each request whose
         known tokens are all computed. Returns (request, new text) for those; finished requests
         have left the scheduler."""
+        if self.speculator:                       # Chapter 10: guesses join the decodes' tokens
+            self.speculator.propose(self.scheduler.running)
         work = self.scheduler.schedule()
         if not work.requests:
             return []
-        tokens = self.runner.step(work.requests, work.starts, work.lengths,
-                                  [self.blocks.tables[r.id] for r in work.requests])
+        places = [self.blocks.tables[r.id] for r in work.requests]
+        if self.speculator:                       # the tokens each request keeps: 1 .. k + 1
+            runs = self.speculator.step(self.runner, work.requests, work.starts, work.lengths, places)
+        else:
+            runs = [None if t is None else [t] for t in self.runner.step(work.requests, work.starts,
+                                                                         work.lengths, places)]
         now, events = time.perf_counter(), []
-        for r, n, token in zip(work.requests, work.lengths, tokens):
-            r.num_computed += n
+        for r, n, run in zip(work.requests, work.lengths, runs):
+            if run is None:                       # a prefill's middle chunk predicts nothing yet
+                r.num_computed += n
+            else:
+                pieces = []
+                for token in run:
+                    pieces.append(self.output.accept(r, token, now))
+                    if r.finish_reason:           # a stop, EOS or the budget can cut a run short
+                        break
+                r.num_computed = r.num_tokens - 1     # every token but the newest has its K/V now
+                events.append((r, engine04.contracts.join_pieces(pieces)))
             self.blocks.cache_computed(r.id, r.tokens(0, r.num_computed))   # a prefix cache publishes full blocks
-            if token is None:                     # a prefill's middle chunk predicts nothing yet
-                continue
-            events.append((r, self.output.accept(r, token, now)))
             if r.finish_reason:
-                self.scheduler.finish(r)          # leaves now: its blocks serve the next step
+                self._leave(r)                    # leaves now: its blocks serve the next step
+            elif self.blocks.lengths[r.id] > r.num_tokens:
+                self.blocks.truncate(r.id, r.num_tokens)   # slots of rejected guesses go back
         self.recent_batches.append(len(work.requests))
         if self.on_step:
             self.on_step(work, events)
         return events
     # --8<-- [end:step]
+
+    def _leave(self, r: Request) -> None:
+        """r is done or aborted: out of the scheduler, and of the drafter's memory."""
+        self.scheduler.finish(r)
+        if self.speculator:
+            self.speculator.release(r)
 
     # --8<-- [start:loop]
     def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
@@ -175,7 +204,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
             for rid in aborts:
                 if rid in self._by_id:
                     r = self._by_id.pop(rid)
-                    self.scheduler.finish(r)
+                    self._leave(r)
                     r.sink.put(("aborted", None))   # wakes a reader blocked on this request
             if not self.scheduler.has_work():
                 continue
@@ -195,7 +224,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         gets the error; requests still waiting hold no KV and keep their place in the queue."""
         waiting = set() if everyone else set(map(id, self.scheduler.waiting))
         for r in [r for r in self._by_id.values() if id(r) not in waiting]:
-            self.scheduler.finish(r)
+            self._leave(r)
             if r.id in self.blocks.tables:        # a step that failed half-way may leave blocks behind
                 self.blocks.free(r.id)
             del self._by_id[r.id]

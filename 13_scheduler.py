@@ -87,7 +87,9 @@ class Scheduler:
                 break
             if r not in self.running:         # preempted a moment ago to make room for an older one
                 continue
-            n = min(r.num_tokens - r.num_computed, budget)
+            pending = r.num_tokens - r.num_computed
+            n = min(pending + len(r.draft_ids), budget)   # a decode may bring guesses to verify (Chapter 10)
+            del r.draft_ids[max(0, n - pending):]         # ... and a short budget cuts those first
             if not self._make_room(r, r.num_computed + n, out):
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
@@ -137,7 +139,7 @@ class Scheduler:
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
         self.blocks.free(r.id)
-        r.num_computed, r.preemptions = 0, r.preemptions + 1
+        r.num_computed, r.preemptions, r.draft_ids = 0, r.preemptions + 1, []
         self.num_preemptions += 1
         self.waiting.appendleft(r)
     # --8<-- [end:preempt]

@@ -118,8 +118,9 @@ def byte_size(text: str) -> int:
 QUANT_FORMATS = ("bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
+SPECULATIVE_METHODS = ("ngram", "draft")
 ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_memory", "block_size",
-                  "max_num_seqs", "max_num_batched_tokens")
+                  "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens", "draft_model")
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -142,6 +143,13 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="sequences in one step, at most (Chapter 9)")
     g.add_argument("--max-num-batched-tokens", type=integer(1, 65536), default=None,
                    help="tokens in one step, at most (Chapter 9)")
+    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                   help="guess tokens and verify them in one step (Chapter 10): ngram = prompt lookup, "
+                        "draft = a draft model")
+    g.add_argument("--num-speculative-tokens", type=integer(1, 16), default=None,
+                   help="guesses per verification, at most (default 4)")
+    g.add_argument("--draft-model", default=None,
+                   help="the draft model, same tokenizer (default: this model on int4 weights)")
 
 
 class _OnlyGroup:

@@ -323,6 +323,11 @@ def usage(results) -> dict:
     cached = [r.metrics.cached_tokens for r in results if r.metrics.cached_tokens is not None]
     if cached:   # OpenAI's field; only engines with a prefix cache (Chapter 8) measure it
         out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    drafted = sum(r.metrics.draft_tokens or 0 for r in results)
+    if drafted:   # speculative decoding (Chapter 10), in OpenAI's words for guessed tokens
+        accepted = sum(r.metrics.accepted_tokens or 0 for r in results)
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
     return out
 
 

@@ -13,6 +13,7 @@ import importlib
 # --8<-- [start:plugins]
 # feature -> where its implementation lives (module:attribute)
 PLUGINS = {
+    "speculator": "14_speculative_decoding:speculator",   # (method, k, draft model) -> engine -> Speculator
     "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
 }
 

@@ -63,6 +63,8 @@ class RequestRecord:
     streamed: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
+    draft_tokens: int = 0        # speculative decoding (Chapter 10): guesses verified, and kept
+    accepted_tokens: int = 0
     pieces: int = 0              # text pieces streamed so far (about one token each)
     ttft_s: float | None = None
     queue_s: float | None = None
@@ -104,6 +106,8 @@ def answered(results: list) -> None:
         return
     rec.prompt_tokens = sum(r.metrics.input_tokens for r in results)
     rec.output_tokens = sum(r.metrics.output_tokens for r in results)
+    rec.draft_tokens = sum(r.metrics.draft_tokens or 0 for r in results)
+    rec.accepted_tokens = sum(r.metrics.accepted_tokens or 0 for r in results)
     rec.ops.generated(rec.output_tokens - rec.pieces)   # a piece may have held several tokens
     ttfts = [r.metrics.ttft_ms for r in results]
     if rec.ttft_s is None and ttfts and None not in ttfts:   # the engine's, after the wait for its turn
@@ -128,6 +132,8 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("llm_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "tokens generated", registry=r)
+        self.draft_tokens = Counter("llm_spec_decode_draft_tokens", "guessed tokens verified", registry=r)
+        self.accepted_tokens = Counter("llm_spec_decode_accepted_tokens", "guessed tokens kept", registry=r)
         hist = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)  # noqa: E731
         self.ttft = hist("llm_time_to_first_token_seconds", "time to first token")
         self.itl = hist("llm_inter_token_latency_seconds", "time between streamed tokens")
@@ -406,6 +412,8 @@ class _OpsMiddleware:
         if rec.route in GENERATION_ROUTES:
             m.prompt_tokens.inc(rec.prompt_tokens)
             m.generation_tokens.inc(rec.output_tokens)
+            m.draft_tokens.inc(rec.draft_tokens)
+            m.accepted_tokens.inc(rec.accepted_tokens)
             m.e2e.observe(total)
             if rec.ttft_s is not None:
                 m.ttft.observe(rec.ttft_s)

@@ -54,3 +54,16 @@ def release_idle_workers() -> bool:
     lib = _openmp_runtime()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
 # --8<-- [end:release]
+
+
+def cpu_name() -> str:
+    """The processor's name, for the header of a measurement (figures are only true of one machine)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"

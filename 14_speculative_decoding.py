@@ -1,0 +1,265 @@
+"""14_speculative_decoding.py - Chapter 10: guess several tokens cheaply, verify them in one forward.
+
+At batch 1 a decode step reads every weight of the model to produce one token. Feeding it
+k + 1 tokens instead costs almost the same: the weights are read once either way, and the
+extra rows of each matmul are nearly free (Chapter 4's roofline). So if someone could *guess*
+the next k tokens, one forward of the model could check all of them at once:
+
+    propose   a cheap drafter guesses d1 .. dk after the text so far
+    verify    the model runs on [last, d1 .. dk]: k + 1 positions, k + 1 next-token distributions
+    accept    keep d1, d2, ... while the model agrees; at the first disagreement take the
+              model's own token instead. Every verification yields 1 .. k + 1 tokens.
+
+Two drafters: prompt lookup (the last few tokens appeared earlier in the prompt or the
+output: propose what followed them; free, and strong when the answer copies its input) and a
+draft model (any model with the same tokenizer: by default this same model on Chapter 12's
+int4 weights, with its own KV pool, catching up on the tokens the target kept).
+
+The output does not change. Greedy: a guess is kept only if it *is* the model's argmax.
+Sampling: a guess d drawn from the drafter's distribution q is kept with probability
+min(1, p(d) / q(d)), and a rejection draws from max(0, p - q), renormalised; together the two
+draw exactly from p, the model's own distribution (Leviathan et al. 2023, Chen et al. 2023).
+
+In the assembled engine (Chapter 9) speculation is a switch with the same names as the flags:
+
+    python 14_speculative_decoding.py --speculative ngram --prompt "..."   # one prompt, as 04_engine.py
+    python 14_speculative_decoding_demo.py          # a request's guesses step by step, then the table
+    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --speculative draft
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+engine04 = importlib.import_module("04_engine")
+sampling = importlib.import_module("02_sampling")
+decode_loop = importlib.import_module("07_decode_loop")
+runner10 = importlib.import_module("10_model_runner")
+paged = importlib.import_module("11_paged_kv")
+setup = importlib.import_module("01_setup")
+Request = decode_loop.Request
+
+METHODS = ("ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+# Tokens one verification step may feed the model across all requests, guesses included. Past
+# it the forward stops being nearly free (measured in 14_speculative_decoding_demo.py): a busy
+# batch gets fewer guesses per request, and from 16 running requests on, none.
+SPECULATION_TOKEN_BUDGET = 32
+
+
+# --8<-- [start:ngram]
+class NgramProposer:
+    """Prompt lookup: find the last n tokens earlier in prompt + output, propose what followed."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[torch.Tensor | None]:
+        """Sets each request's draft_ids (up to k); a guess is certain, so there is no q to return."""
+        for r, k in zip(requests, ks):
+            r.draft_ids = self.lookup(r.prompt_ids + r.new_ids, k) if k else []
+        return [None] * len(requests)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest matching suffix."""
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):   # latest first: the nearest context
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    def release(self, request: Request) -> None:
+        """Nothing held per request."""
+# --8<-- [end:ngram]
+
+
+# --8<-- [start:draft-model]
+class DraftModelProposer:
+    """A smaller model guesses k tokens, one decode step each, on its own KV pool of blocks.
+
+    It remembers how many of each request's tokens it holds K/V for; after a verification it
+    keeps only those the target kept, and catches up on the rest in its next first step.
+    """
+
+    def __init__(self, model, kv_memory: int, block_size: int):
+        pool = paged.KVPool.from_memory(model.config, kv_memory, block_size, model.dtype, model.device)
+        self.runner = runner10.ModelRunner(model, pool)
+        self.blocks = paged.BlockManager(pool.num_blocks, block_size)
+        self.computed: dict[int, int] = {}     # request id -> tokens whose K/V the draft holds
+
+    def propose(self, requests: list[Request], ks: list[int]) -> list[torch.Tensor | None]:
+        """Sets each request's draft_ids; returns per request the distributions q it drew them
+        from ([k, vocab], for sampled requests; None for greedy ones)."""
+        qs: list[list[torch.Tensor]] = [[] for _ in requests]
+        live = [i for i, k in enumerate(ks) if k and self._room(requests[i], k)]
+        for i in range(len(requests)):
+            requests[i].draft_ids = []
+        for step in range(max((ks[i] for i in live), default=0)):
+            live = [i for i in live if ks[i] > step]
+            rs = [requests[i] for i in live]
+            starts = [self.computed[r.id] for r in rs]
+            lengths = [r.num_tokens + len(r.draft_ids) - s for r, s in zip(rs, starts)]   # catch up, then 1
+            batch = self.runner.prepare(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])
+            logits = self.runner.model.forward(batch, self.runner.kv)
+            logits = sampling.adjust_logits(logits, [r.params for r in rs], [r.history for r in rs])
+            for i, r, row in zip(live, rs, logits):
+                self.computed[r.id] = r.num_tokens + len(r.draft_ids)
+                if r.params.is_greedy:
+                    r.draft_ids.append(int(row.argmax()))
+                else:
+                    q = sampling.probabilities(row, r.params)
+                    r.draft_ids.append(int(torch.multinomial(q, 1, generator=r.generator)))
+                    qs[i].append(q)
+        return [torch.stack(q) if q else None for q in qs]
+
+    def _room(self, r: Request, k: int) -> bool:
+        """Slots for everything the draft will feed; a full pool means no guesses this time."""
+        if r.id not in self.computed:
+            if not self.blocks.can_allocate(r.num_tokens + k):
+                return False
+            self.blocks.allocate(r.id, r.num_tokens)
+            self.computed[r.id] = 0
+        self.computed[r.id] = min(self.computed[r.id], r.num_tokens - 1)   # K/V past the kept tokens is stale
+        try:
+            while self.blocks.lengths[r.id] < r.num_tokens + k - 1:
+                self.blocks.append_slot(r.id)
+        except paged.PoolFullError:
+            self.release(r)
+            return False
+        return True
+
+    def release(self, request: Request) -> None:
+        """The request left the engine: its draft blocks go back."""
+        if self.computed.pop(request.id, None) is not None:
+            self.blocks.free(request.id)
+# --8<-- [end:draft-model]
+
+
+# --8<-- [start:accept]
+def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> list[int]:
+    """The tokens one verification yields: the guesses the model keeps, then one of its own.
+
+    logits[j] is the model's prediction after the guesses d1 .. dj; q[j] (sampled requests of a
+    draft model) is the distribution dj+1 was drawn from; a lookup's guess is certain (q = 1).
+    """
+    drafts, params = r.draft_ids, r.params
+    history = r.history.copy() if r.history is not None else None   # penalties see the kept guesses
+    out: list[int] = []
+    for j, row in enumerate(logits):
+        if history is not None:
+            row = sampling.adjust_logits(row.unsqueeze(0), [params], [history])[0]
+        guess = drafts[j] if j < len(drafts) else None
+        if params.is_greedy:                        # keep the guess only if it is the argmax itself
+            token = int(row.argmax())
+        else:
+            p = sampling.probabilities(row, params)
+            if guess is None:                       # every guess kept: the last position is a free token
+                token = int(torch.multinomial(p, 1, generator=r.generator))
+            else:
+                q_guess = 1.0 if q is None else float(q[j, guess])
+                if float(torch.rand((), generator=r.generator, device=p.device)) * q_guess < float(p[guess]):
+                    token = guess                   # kept with probability min(1, p / q)
+                else:                               # rejected: draw from what p has beyond q
+                    residual = p - (q[j] if q is not None else torch.nn.functional.one_hot(
+                        torch.tensor(guess, device=p.device), p.numel()).to(p.dtype))
+                    token = int(torch.multinomial(residual.clamp(min=0), 1, generator=r.generator))
+        out.append(token)
+        if token != guess:
+            break
+        if history is not None:
+            history.add(token)
+    return out
+# --8<-- [end:accept]
+
+
+# --8<-- [start:verify]
+class Speculator:
+    """Speculation composed onto a model runner: propose before the step, verify in it."""
+
+    def __init__(self, name: str, proposer, num_speculative_tokens: int):
+        self.name, self.proposer, self.k = name, proposer, num_speculative_tokens
+        self.q: dict[int, torch.Tensor | None] = {}
+
+    def propose(self, running: list[Request]) -> list:
+        """Guesses for every request about to decode, k bounded by its budget and the step's."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed == 1]
+        per_request = SPECULATION_TOKEN_BUDGET // max(1, len(decoding)) - 1   # a busy step guesses less
+        ks = [max(0, min(self.k, per_request, r.budget - len(r.new_ids) - 1)) for r in decoding]
+        self.q = dict(zip(map(id, decoding), self.proposer.propose(decoding, ks)))
+        return decoding
+
+    def step(self, runner, requests: list[Request], starts: list[int], lengths: list[int],
+             places: list) -> list[list[int] | None]:
+        """prepare -> forward -> accept: the tokens each request keeps (None: a prefill chunk)."""
+        ready = [s + n == r.num_tokens + len(r.draft_ids) for r, s, n in zip(requests, starts, lengths)]
+        num_logits = [1 + len(r.draft_ids) if ok else 1 for r, ok in zip(requests, ready)]
+        logits = runner.model.forward(runner.prepare(requests, starts, lengths, places), runner.kv,
+                                      num_logits=num_logits).split(num_logits)
+        runs: list[list[int] | None] = [None] * len(requests)
+        plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids]
+        for i, token in zip(plain, decode_loop.sample(torch.cat([logits[i] for i in plain]), [requests[i] for i in plain])
+                            if plain else []):
+            runs[i] = [token]
+        for i, r in enumerate(requests):
+            if ready[i] and r.draft_ids:
+                runs[i] = accept_guesses(logits[i], r, self.q.get(id(r)))
+                if r.logprobs is not None:   # one entry per kept token, from the model's own logits
+                    r.logprobs.extend(sampling.token_logprobs(logits[i][:len(runs[i])], runs[i],
+                                                              [r.params.logprobs] * len(runs[i])))
+                r.num_drafted += len(r.draft_ids)
+                r.num_accepted += len(runs[i]) - 1
+                r.draft_ids = []
+        return runs
+
+    def release(self, request: Request) -> None:
+        self.proposer.release(request)
+# --8<-- [end:verify]
+
+
+# --8<-- [start:options]
+def speculator(method: str | None, num_speculative_tokens: int = 4, draft_model: str | None = None):
+    """The engine's `speculative=` option, checked before any model loads: returns a function that
+    builds the Speculator for an engine (None: speculation off)."""
+    if method is None:
+        return None
+    if method not in METHODS:
+        raise ValueError(f"speculative must be one of {', '.join(METHODS)} (or None), got {method!r}")
+    if not engine04.contracts.is_integer(num_speculative_tokens) or \
+            not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {num_speculative_tokens!r}")
+    if draft_model is not None and method != "draft":
+        raise ValueError("draft_model needs speculative='draft'")
+
+    def build(engine) -> Speculator:
+        if method == "ngram":
+            return Speculator(method, NgramProposer(), num_speculative_tokens)
+        # Default: this very model on int4 weights (Chapter 12), a cheap self-draft.
+        folder = Path(setup.resolve_model(draft_model)) if draft_model else engine.folder
+        model = runner10.load_model(folder, engine.model.dtype, engine.device, None if draft_model else "int4")
+        if model.config.vocab_size != engine.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
+                             f"target's ({engine.model.config.vocab_size}): it needs the same tokenizer")
+        print(f"[engine] draft model: {folder.name} ({getattr(model, 'format_name', 'float')}), "
+              f"{model.weight_bytes / 1e6:.0f} MB", flush=True)
+        return Speculator(method, DraftModelProposer(model, engine.pool.nbytes, engine.pool.block_size),
+                          num_speculative_tokens)
+    return build
+# --8<-- [end:options]
+
+
+def main() -> None:
+    cb = importlib.import_module("13_continuous_batching_engine")
+    engine, _, _ = engine04.engine_main(cb.ContinuousBatchingEngine,
+                                        "Chapter 10: the assembled engine, guessing and verifying.",
+                                        speculative="ngram")
+    print(f"  {'features':<15} {engine.features()}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""14_speculative_decoding_demo.py - Chapter 10, measured: guesses step by step, then the table.
+
+    python 14_speculative_decoding_demo.py                       # trace, then the k sweep at batch 1
+    python 14_speculative_decoding_demo.py --ks 1 4 8 --plot spec.png
+    python 14_speculative_decoding_demo.py --concurrent 32       # ... and 32 mixed requests at once
+
+1. One request's verifications, one line each: the guesses the model kept (green), the
+   token it put in place of the first wrong guess (yellow), the guesses thrown away (red).
+2. For both drafters on both workloads (data/speculative_input_grounded.json: answers that
+   copy or edit their input; data/speculative_open_chat.json: they do not), against k: how
+   many guesses were kept, tokens per forward of the model, and the speed-up over the same
+   engine without speculation, every pair of runs alternating on the same prompts. Beside
+   them, in the same run, HF's own: generate(prompt_lookup_num_tokens=k) and
+   generate(assistant_model=...) (this model in bfloat16 as the assistant), each against plain
+   generate. Greedy throughout, so every engine's tokens must be identical: this is checked.
+3. With --concurrent N: N requests of the mixed workload at once through the continuous-batching
+   engine, with and without speculation: a busy engine guesses less (SPECULATION_TOKEN_BUDGET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+import torch
+
+from kit import cli, threads, workloads
+
+engine04 = importlib.import_module("04_engine")
+cb = importlib.import_module("13_continuous_batching_engine")
+spec = importlib.import_module("14_speculative_decoding")
+SamplingParams = engine04.SamplingParams
+
+WORKLOADS = {"input-grounded": "data/speculative_input_grounded.json", "open chat": "data/speculative_open_chat.json"}
+GREEN, YELLOW, RED, PLAIN = "\033[32m", "\033[33m", "\033[31;9m", "\033[0m"
+
+
+# --8<-- [start:trace]
+class Tracer:
+    """Wraps an engine's Speculator and remembers, per verification, the guesses and what was kept."""
+
+    def __init__(self, speculator):
+        self.inner, self.steps = speculator, []
+
+    def __getattr__(self, name):   # everything else is the wrapped speculator's
+        return getattr(self.inner, name)
+
+    def step(self, runner, requests, starts, lengths, places):
+        guesses = [list(r.draft_ids) for r in requests]
+        runs = self.inner.step(runner, requests, starts, lengths, places)
+        self.steps += [(g, run) for g, run in zip(guesses, runs) if run is not None]
+        return runs
+
+
+def show_trace(engine, prompt: str, tokenizer, new_tokens: int) -> None:
+    tracer = engine.speculator = Tracer(engine.speculator)
+    try:
+        result = engine.generate(prompt, new_tokens)
+    finally:
+        engine.speculator = tracer.inner
+    text = lambda ids: tokenizer.decode(ids).replace("\n", "\\n")   # noqa: E731
+    for i, (guesses, kept) in enumerate(tracer.steps):
+        ok = len(kept) - 1 if kept[-1] != (guesses + [None])[len(kept) - 1] else len(kept)
+        line = GREEN + text(kept[:ok]) + PLAIN + YELLOW + text(kept[ok:]) + PLAIN + RED + text(guesses[ok + 1:]) + PLAIN
+        print(f"  {i:>3}  guessed {len(guesses)}, kept {min(ok, len(guesses))}:  {line}")
+    m = result.metrics
+    print(f"  {m.output_tokens} tokens in {len(tracer.steps)} forwards of the model; "
+          f"{m.accepted_tokens or 0} of {m.draft_tokens or 0} guesses kept")
+# --8<-- [end:trace]
+
+
+# --8<-- [start:sweep]
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t
+
+
+def sweep(plain, engines: dict, prompts: list[str], ks: list[int], new_tokens: int) -> list[dict]:
+    """Per drafter and k: acceptance, tokens per forward, speed-up; plain and speculative alternate."""
+    rows = []
+    for method, engine in engines.items():
+        for k in ks:
+            engine.speculator.k = k
+            t_plain = t_spec = drafted = kept = tokens = 0
+            for prompt in prompts:
+                a, ta = timed(plain.generate, prompt, new_tokens)
+                b, tb = timed(engine.generate, prompt, new_tokens)
+                if a.output_ids != b.output_ids:
+                    raise AssertionError(f"{method} k={k} changed the output of {prompt[:40]!r}")
+                t_plain, t_spec = t_plain + ta, t_spec + tb
+                drafted, kept = drafted + (b.metrics.draft_tokens or 0), kept + (b.metrics.accepted_tokens or 0)
+                tokens += len(b.output_ids)
+            rows.append({"method": method, "k": k, "acceptance": kept / max(drafted, 1),
+                         "tokens_per_forward": tokens / max(tokens - kept, 1), "speedup": t_plain / t_spec})
+    return rows
+
+
+def hf_reference(hf, prompts: list[str], ks: list[int], new_tokens: int) -> list[dict]:
+    """HF's assisted generation against plain generate, on the same prompts, alternating."""
+    assistant = None
+    rows = []
+    for how in ("prompt lookup", "assistant bf16"):
+        for k in ks:
+            extra = {"prompt_lookup_num_tokens": k}
+            if how == "assistant bf16":
+                if assistant is None:
+                    folder = engine04.setup.resolve_model(hf.model_name)
+                    assistant = type(hf.model).from_pretrained(folder, dtype=torch.bfloat16).eval()
+                assistant.generation_config.num_assistant_tokens = k
+                assistant.generation_config.num_assistant_tokens_schedule = "constant"
+                extra = {"assistant_model": assistant}
+            t_plain = t_assist = 0.0
+            for prompt in prompts:
+                ids = hf.tokenizer(prompt, return_tensors="pt")
+                run = dict(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=hf.tokenizer.eos_token_id)
+                with torch.inference_mode():
+                    a, ta = timed(hf.model.generate, **run)
+                    b, tb = timed(hf.model.generate, **run, **extra)
+                t_plain, t_assist = t_plain + ta, t_assist + tb
+            rows.append({"method": f"HF {how}", "k": k, "speedup": t_plain / t_assist})
+    return rows
+# --8<-- [end:sweep]
+
+
+def concurrent(plain, engines: dict, n: int) -> None:
+    """n mixed requests at once; output tokens/s with and without speculation, alternating."""
+    items = workloads.mixed_workload(plain.tokenizer, n)
+    prompts, budget = [w.prompt for w in items], max(w.max_new_tokens for w in items)
+    print(f"\n[{n} concurrent requests of the mixed workload, continuous batching, generate_batch]")
+    plain_rate = []
+    for method, engine in engines.items():
+        (a, ta), (b, tb) = timed(plain.generate_batch, prompts, budget), timed(engine.generate_batch, prompts, budget)
+        same = all(x.output_ids == y.output_ids for x, y in zip(a, b))
+        rate = lambda results, t: sum(len(r.output_ids) for r in results) / t   # noqa: E731
+        plain_rate.append(rate(a, ta))
+        print(f"  {method:<6} without {rate(a, ta):6.1f} tokens/s   with {rate(b, tb):6.1f} tokens/s   "
+              f"ratio {rate(b, tb) / rate(a, ta):.2f}   same tokens: {same}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 10 measured: speculative decoding step by step and against k.")
+    cli.add_model_flags(parser, device=False)
+    parser.add_argument("--ks", type=cli.integer(1, spec.MAX_SPECULATIVE_TOKENS), nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--prompts", type=cli.integer(1, 8), default=4, help="prompts of each workload")
+    parser.add_argument("--max-new-tokens", type=cli.integer(1, 1024), default=96)
+    parser.add_argument("--concurrent", type=cli.integer(0, 256), default=0, metavar="N",
+                        help="also run N mixed-workload requests at once")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF's assisted generation")
+    parser.add_argument("--plot", type=cli.plot_file(), default=None, help="draw speed-up and acceptance against k")
+    args = parser.parse_args()
+    cpu = threads.cpu_name()
+    plain = cb.ContinuousBatchingEngine(args.model)
+    engines = {m: cb.ContinuousBatchingEngine(args.model, speculative=m) for m in spec.METHODS}
+    prompts = {name: [engine04.render_chat(plain.tokenizer, p["messages"])
+                      for p in workloads.load_prompts(path, args.prompts)] for name, path in WORKLOADS.items()}
+
+    chat = workloads.load_prompts(WORKLOADS["input-grounded"])[2]["messages"]
+    print(f"\n[One request, prompt lookup, k=4]\n  {chat[0]['content']!r}\n")
+    show_trace(engines["ngram"], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
+    print("\n[The same request, the int4 self-draft, k=4]")
+    show_trace(engines["draft"], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
+
+    results = {}
+    for name, ps in prompts.items():
+        results[name] = sweep(plain, engines, ps, args.ks, args.max_new_tokens)
+        if not args.no_hf:
+            results[name] += hf_reference(engine04.BaselineEngine(args.model), ps, args.ks, args.max_new_tokens)
+    print(f"\n[batch 1, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens each, "
+          f"speed-up over the same engine without speculation (HF: over plain generate); {cpu}]")
+    print(f"  {'workload':<15} {'drafter':<20} {'k':>2}  {'kept':>5}  {'tokens/forward':>14}  {'speed-up':>8}")
+    for name, rows in results.items():
+        for row in rows:
+            kept = f"{row['acceptance']:5.0%}" if "acceptance" in row else "    -"
+            per = f"{row['tokens_per_forward']:14.2f}" if "tokens_per_forward" in row else f"{'-':>14}"
+            print(f"  {name:<15} {row['method']:<20} {row['k']:>2}  {kept}  {per}  {row['speedup']:7.2f}x")
+    if args.concurrent:
+        concurrent(plain, engines, args.concurrent)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"\n[plot] {args.plot}")
+    for e in [plain, *engines.values()]:
+        e.close()
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in results.items():
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["method"] == method]
+            style = "--" if method.startswith("HF") else "-"
+            axes[0].plot([r["k"] for r in mine], [r["speedup"] for r in mine], style, marker="o", label=f"{name}, {method}")
+            if "acceptance" in mine[0]:
+                axes[1].plot([r["k"] for r in mine], [r["acceptance"] for r in mine], marker="o", label=f"{name}, {method}")
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set(xlabel="guesses per verification (k)", ylabel="speed-up over no speculation", title="Speed-up, batch 1")
+    axes[1].set(xlabel="guesses per verification (k)", ylabel="share of guesses kept", title="Acceptance", ylim=(0, 1))
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
