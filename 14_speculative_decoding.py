@@ -64,12 +64,18 @@ class NgramProposer:
         return [None] * len(requests)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The k tokens after the latest earlier occurrence of the longest matching suffix."""
+        """Up to k tokens that followed an earlier occurrence of the longest matching suffix: the
+        latest occurrence (the nearest context) that is followed by k tokens, else the longest run."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):   # latest first: the nearest context
+            suffix, best = tokens[-n:], []
+            for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + k]
+                    run = tokens[start + n:start + n + k]
+                    if len(run) == k:
+                        return run
+                    best = max(best, run, key=len)
+            if best:
+                return best
         return []
 
     def release(self, request: Request) -> None:
