@@ -22,7 +22,8 @@ draw exactly from p, the model's own distribution (Leviathan et al. 2023, Chen e
 
 In the assembled engine (Chapter 9) speculation is a switch with the same names as the flags:
 
-    python 14_speculative_decoding.py --speculative ngram --prompt "..."   # one prompt, as 04_engine.py
+    python 14_speculative_decoding.py                          # one prompt, as 04_engine.py, prompt lookup
+    python 14_speculative_decoding.py --speculative draft      # ... guessed by this model on int4 weights
     python 14_speculative_decoding_demo.py          # a request's guesses step by step, then the table
     python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --speculative draft
 """
@@ -48,13 +49,17 @@ MAX_SPECULATIVE_TOKENS = 16
 # it the forward stops being nearly free (measured in 14_speculative_decoding_demo.py): a busy
 # batch gets fewer guesses per request, and from 16 running requests on, none.
 SPECULATION_TOKEN_BUDGET = 32
+# An answer that copies its input: prompt lookup's best case (main()'s default prompt).
+COPYING_PROMPT = ("Repeat the first two sentences of this text word for word: A KV cache stores the keys and "
+                  "values that attention computed for earlier tokens. Without it, every new token would recompute "
+                  "them for the whole prompt. The cache grows by one entry per layer for every token.")
 
 
 # --8<-- [start:ngram]
 class NgramProposer:
     """Prompt lookup: find the last n tokens earlier in prompt + output, propose what followed."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[torch.Tensor | None]:
@@ -262,7 +267,7 @@ def main() -> None:
     cb = importlib.import_module("13_continuous_batching_engine")
     engine, _, _ = engine04.engine_main(cb.ContinuousBatchingEngine,
                                         "Chapter 10: the assembled engine, guessing and verifying.",
-                                        speculative="ngram")
+                                        speculative="ngram", prompt=COPYING_PROMPT)
     print(f"  {'features':<15} {engine.features()}")
     engine.close()
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import sys
 import time
 
 import torch
@@ -33,6 +35,7 @@ spec = importlib.import_module("14_speculative_decoding")
 SamplingParams = engine04.SamplingParams
 
 WORKLOADS = {"input-grounded": "data/speculative_input_grounded.json", "open chat": "data/speculative_open_chat.json"}
+TRACE_PROMPT = 0   # the one whose answer copies most of its input
 GREEN, YELLOW, RED, PLAIN = "\033[32m", "\033[33m", "\033[31;9m", "\033[0m"
 
 
@@ -54,20 +57,53 @@ class Tracer:
 
 
 def show_trace(engine, prompt: str, tokenizer, new_tokens: int) -> None:
+    """Each verification on one line: the guesses kept, the model's own token, the guesses thrown away."""
     tracer = engine.speculator = Tracer(engine.speculator)
     try:
         result = engine.generate(prompt, new_tokens)
     finally:
         engine.speculator = tracer.inner
-    text = lambda ids: tokenizer.decode(ids).replace("\n", "\\n")   # noqa: E731
-    for i, (guesses, kept) in enumerate(tracer.steps):
-        ok = len(kept) - 1 if kept[-1] != (guesses + [None])[len(kept) - 1] else len(kept)
-        line = GREEN + text(kept[:ok]) + PLAIN + YELLOW + text(kept[ok:]) + PLAIN + RED + text(guesses[ok + 1:]) + PLAIN
-        print(f"  {i:>3}  guessed {len(guesses)}, kept {min(ok, len(guesses))}:  {line}")
+    tty = sys.stdout.isatty()
+    paint = lambda colour, ids: (colour if tty else "") + json.dumps(tokenizer.decode(ids)) + (PLAIN if tty else "")  # noqa: E731
+    print(f"  {'step':>4}  {'kept':>5}  text: kept guesses + the model's own token, then rejected guesses")
+    produced = 0
+    for i, (guesses, full) in enumerate(tracer.steps):
+        run = full[:len(result.output_ids) - produced]  # a stop or EOS may end the request inside a run
+        produced += len(run)
+        ended = len(run) < len(full)
+        ok = len(run) if ended else len(run) - 1       # every token of a whole run but the last was a guess
+        line = f"  {i:>4}  {ok:>2}/{len(guesses):<2}  {paint(GREEN, run[:ok])} + {paint(YELLOW, run[ok:])}"
+        print(line + ("   (the request ends here)" if ended else
+                      f"   rejected {paint(RED, guesses[ok:])}" if ok < len(guesses) else ""))
     m = result.metrics
     print(f"  {m.output_tokens} tokens in {len(tracer.steps)} forwards of the model; "
           f"{m.accepted_tokens or 0} of {m.draft_tokens or 0} guesses kept")
 # --8<-- [end:trace]
+
+
+# --8<-- [start:cost]
+def verification_cost(engine, sizes=(1, 2, 3, 5, 9), context: int = 400, rounds: int = 7) -> dict[int, float]:
+    """Milliseconds of one forward of the model feeding n tokens of one sequence after `context`
+    cached ones (median of rounds): what checking n - 1 guesses costs against a plain decode step."""
+    ids = list(range(1000, 1000 + context + max(sizes)))
+    blocks, seq = engine.blocks, -1                      # a sequence of our own, given back after
+    blocks.allocate(seq, len(ids))
+    try:
+        runner, table = engine.runner, blocks.tables[seq]
+        batch = lambda start, n: engine.pool.batch([ids[start:start + n]], [table], [start], engine.device)  # noqa: E731
+        runner.model.forward(batch(0, context), runner.kv)            # the context's K/V, once
+        out = {}
+        for n in sizes:
+            times = []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                runner.model.forward(batch(context, n), runner.kv, num_logits=[n])
+                times.append(time.perf_counter() - t)
+            out[n] = sorted(times)[rounds // 2] * 1e3
+        return out
+    finally:
+        blocks.free(seq)
+# --8<-- [end:cost]
 
 
 # --8<-- [start:sweep]
@@ -142,6 +178,10 @@ def concurrent(plain, engines: dict, n: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 10 measured: speculative decoding step by step and against k.")
     cli.add_model_flags(parser, device=False)
+    parser.add_argument("--part", choices=("all", "trace", "sweep"), default="all",
+                        help="trace: one request's verifications and their cost; sweep: the table against k")
+    parser.add_argument("--trace-prompt", type=cli.integer(0, 7), default=TRACE_PROMPT,
+                        help="which input-grounded prompt the trace follows")
     parser.add_argument("--ks", type=cli.integer(1, spec.MAX_SPECULATIVE_TOKENS), nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--prompts", type=cli.integer(1, 8), default=4, help="prompts of each workload")
     parser.add_argument("--max-new-tokens", type=cli.integer(1, 1024), default=96)
@@ -153,20 +193,34 @@ def main() -> None:
     cpu = threads.cpu_name()
     plain = cb.ContinuousBatchingEngine(args.model)
     engines = {m: cb.ContinuousBatchingEngine(args.model, speculative=m) for m in spec.METHODS}
-    prompts = {name: [engine04.render_chat(plain.tokenizer, p["messages"])
-                      for p in workloads.load_prompts(path, args.prompts)] for name, path in WORKLOADS.items()}
+    if args.part in ("all", "trace"):
+        chat = workloads.load_prompts(WORKLOADS["input-grounded"])[args.trace_prompt]["messages"]
+        for method, title in (("ngram", "prompt lookup"), ("draft", "the int4 self-draft")):
+            print(f"\n[One request, {title}, k={engines[method].speculator.k}: {chat[0]['content'][:50]!r}...]")
+            show_trace(engines[method], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
+        cost = verification_cost(plain)
+        print(f"\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached; {cpu}]")
+        for n, ms in cost.items():
+            print(f"  feed {n} token(s) ({n - 1} guesses checked): {ms:6.1f} ms = {ms / cost[1]:4.2f} decode steps")
+    if args.part in ("all", "sweep"):
+        results = table(plain, engines, args, cpu)
+        if args.concurrent:
+            concurrent(plain, engines, args.concurrent)
+        if args.plot:
+            plot(results, args.plot)
+            print(f"\n[plot] {args.plot}")
+    for e in [plain, *engines.values()]:
+        e.close()
 
-    chat = workloads.load_prompts(WORKLOADS["input-grounded"])[2]["messages"]
-    print(f"\n[One request, prompt lookup, k=4]\n  {chat[0]['content']!r}\n")
-    show_trace(engines["ngram"], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
-    print("\n[The same request, the int4 self-draft, k=4]")
-    show_trace(engines["draft"], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
 
+def table(plain, engines: dict, args, cpu: str) -> dict:
+    """The sweep on both workloads (and HF's beside it), printed as one table."""
     results = {}
-    for name, ps in prompts.items():
-        results[name] = sweep(plain, engines, ps, args.ks, args.max_new_tokens)
+    for name, path in WORKLOADS.items():
+        prompts = [engine04.render_chat(plain.tokenizer, p["messages"]) for p in workloads.load_prompts(path, args.prompts)]
+        results[name] = sweep(plain, engines, prompts, args.ks, args.max_new_tokens)
         if not args.no_hf:
-            results[name] += hf_reference(engine04.BaselineEngine(args.model), ps, args.ks, args.max_new_tokens)
+            results[name] += hf_reference(engine04.BaselineEngine(args.model), prompts, args.ks, args.max_new_tokens)
     print(f"\n[batch 1, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens each, "
           f"speed-up over the same engine without speculation (HF: over plain generate); {cpu}]")
     print(f"  {'workload':<15} {'drafter':<20} {'k':>2}  {'kept':>5}  {'tokens/forward':>14}  {'speed-up':>8}")
@@ -175,13 +229,7 @@ def main() -> None:
             kept = f"{row['acceptance']:5.0%}" if "acceptance" in row else "    -"
             per = f"{row['tokens_per_forward']:14.2f}" if "tokens_per_forward" in row else f"{'-':>14}"
             print(f"  {name:<15} {row['method']:<20} {row['k']:>2}  {kept}  {per}  {row['speedup']:7.2f}x")
-    if args.concurrent:
-        concurrent(plain, engines, args.concurrent)
-    if args.plot:
-        plot(results, args.plot)
-        print(f"\n[plot] {args.plot}")
-    for e in [plain, *engines.values()]:
-        e.close()
+    return results
 
 
 def plot(results: dict, path) -> None:

@@ -149,6 +149,11 @@ CAPTURES = [
         "python 13_continuous_batching_switches.py --threads 1 --plot book/assets/ch9-switches.png",
     ], timeout_s=3600),
     # Chapter 12 (quantisation)
+    Capture("14_speculative_decoding", ["python 14_speculative_decoding.py"], timeout_s=600),
+    Capture("14_speculative_trace", ["python 14_speculative_decoding_demo.py --part trace"], timeout_s=1200),
+    Capture("14_speculative_decoding_demo", [
+        "python 14_speculative_decoding_demo.py --part sweep --concurrent 32 --plot book/assets/ch10-speculative.png"],
+        timeout_s=5400),
     Capture("16_quantization", ["python 16_quantization.py"], timeout_s=300),   # the formats on one matrix
     Capture("16_quantization_demo", [
         "python 16_quantization_demo.py --threads 1 --plot book/assets/ch12-quantization.png",
