@@ -119,7 +119,7 @@ QUANT_FORMATS = ("bf16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)
 QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_memory", "block_size",
-                  "max_num_seqs", "max_num_batched_tokens")
+                  "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -142,6 +142,8 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="sequences in one step, at most (Chapter 9)")
     g.add_argument("--max-num-batched-tokens", type=integer(1, 65536), default=None,
                    help="tokens in one step, at most (Chapter 9)")
+    g.add_argument("--tensor-parallel-size", type=integer(1, 64), default=None,
+                   help="split the model over N processes: gloo on CPU, NCCL on N GPUs (Chapter 14)")
 
 
 class _OnlyGroup:

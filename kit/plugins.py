@@ -14,6 +14,7 @@ import importlib
 # feature -> where its implementation lives (module:attribute)
 PLUGINS = {
     "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
+    "tensor_parallel": "18_tensor_parallel_engine:tensor_parallel",   # (model, size, device, quant) -> engine -> None
 }
 
 
