@@ -15,8 +15,9 @@ holds and reads 1/N of the weights and 1/N of the KV cache, and they talk twice 
 This is Megatron-LM's layout, used by vLLM, SGLang and nano-vllm alike. The model is Chapter 6's
 LlamaModel, with sliced weights, a per-rank config (its own head counts) and a linear() that
 adds the collective after the row-split matrices: the forward pass itself is unchanged.
-The processes, the broadcast of each step and the engine option are in 18_tensor_parallel_engine.py;
-the scaling model on paper in 18_tensor_parallel_scaling.py.
+A worker's life (receive the setup, shard, run every step rank 0 broadcasts) is here too; rank 0's
+side (the processes, the runner, the engine option) is 18_tensor_parallel_engine.py, and the
+scaling model on paper 18_tensor_parallel_scaling.py.
 
     python 18_tensor_parallel.py --tensor-parallel-size 3       # 3 processes, gloo on CPU
     torchrun --nproc-per-node 3 18_tensor_parallel.py           # the same, started by torchrun
@@ -28,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import importlib
 import os
 import pickle
@@ -36,10 +38,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from kit import cli
+from kit import cli, plugins
 
 engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
+runner10 = importlib.import_module("10_model_runner")
+paged = importlib.import_module("11_paged_kv")
+
+
+# Workers wait for the next step inside a broadcast, however long the server sits idle, so the
+# group's timeout is long; a dead peer is noticed by the watchers below, not by a timeout.
+GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 
 # --8<-- [start:check]
@@ -201,28 +210,58 @@ def shard(model: model10.LlamaModel, rank: int, size: int, comm: Collectives) ->
 # --8<-- [end:model]
 
 
-def report(engine, rank_stats: list[dict], steps: list[dict]) -> None:
-    """Per-rank bytes, then the collectives and the time of a decode step, split."""
-    size = len(rank_stats)
-    print(f"\n[Tensor parallel]  {size} process{'es' if size > 1 else ''}, "
-          f"backend {dist.get_backend() if dist.is_initialized() else 'none (one process)'}")
-    for s in rank_stats:
-        print(f"  rank {s['rank']} (pid {s['pid']}): weights {s['weight_bytes'] / 1e6:7.1f} MB, "
-              f"KV pool {s['kv_bytes'] / 2**20:6.1f} MiB, {s['heads']} heads / {s['kv_heads']} KV heads")
-    decode = [s for s in steps if not s["prefill"]]
-    if not decode:
-        return
-    mean = lambda key: sum(s.get(key, 0) for s in decode) / len(decode)   # noqa: E731
-    reduces, reduce_bytes = mean("all_reduce"), mean("all_reduce_bytes")
-    print(f"  per decode step ({len(decode)} steps, batch {mean('seqs'):.0f}): {reduces:.0f} all-reduces of "
-          f"{reduce_bytes / max(reduces, 1):,.0f} bytes, {mean('all_gather'):.0f} all-gather of "
-          f"{mean('all_gather_bytes'):,.0f} bytes, {mean('broadcast'):.0f} broadcast of the step")
-    total, comm = mean("seconds") * 1e3, mean("comm_seconds") * 1e3
-    print(f"  time per decode step: {total:.2f} ms = compute {total - comm:.2f} ms + communication {comm:.2f} ms")
+# ---------------------------------------------------------------- a worker's life (rank 1 .. N-1)
+def gather_stats(model: TensorParallelModel, kv: paged.KVPool) -> list[dict]:
+    """Every rank's own bytes and heads, as each rank counts them, on every rank."""
+    mine = {"rank": model.comm.rank, "pid": os.getpid(), "weight_bytes": model.weight_bytes,
+            "kv_bytes": kv.nbytes, "heads": model.config.num_heads, "kv_heads": model.config.num_kv_heads}
+    if model.comm.size == 1:
+        return [mine]
+    everyone = [None] * model.comm.size
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+# --8<-- [start:worker]
+def serve(rank: int, size: int, device: torch.device) -> None:
+    """A worker's life: receive the setup, load and shard the model, then run each step rank 0 sends."""
+    comm = Collectives(rank, size, device)
+    _, folder, dtype, num_blocks, block_size = comm.broadcast()
+    model = shard(runner10.load_model(folder, getattr(torch, dtype), device), rank, size, comm)
+    kv = paged.KVPool(model.config, num_blocks, block_size, model.dtype, device)
+    while True:
+        message = comm.broadcast()
+        if message[0] == "step":
+            _, new_tokens, places, starts = message
+            model.forward(kv.batch(new_tokens, places, starts, device), kv)   # logits: rank 0 samples
+        elif message[0] == "stats":
+            gather_stats(model, kv)
+        else:
+            return
+# --8<-- [end:worker]
+
+
+def serve_rank(rank: int, size: int, device: str | None) -> None:
+    """A worker started by torchrun (which passes rank, size and the rendezvous in the environment)."""
+    device = rank_device(engine04.setup.pick_device(device), rank)
+    join(rank, size, device, "env://")
+    serve(rank, size, device)
+    dist.destroy_process_group()
+
+
+def join(rank: int, size: int, device: torch.device, init_method: str) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                            world_size=size, rank=rank, timeout=GROUP_TIMEOUT)
+
+
+def rank_device(device: torch.device | str, rank: int) -> torch.device:
+    """CPU ranks share the CPU; CUDA rank r computes on GPU r."""
+    return torch.device(f"cuda:{rank}") if torch.device(device).type == "cuda" else torch.device("cpu")
 
 
 def main() -> None:
-    engine18 = importlib.import_module("18_tensor_parallel_engine")
     engine13 = importlib.import_module("13_continuous_batching_engine")
     parser = engine04.demo_parser("Chapter 14: the assembled engine on N processes (tensor parallelism).")
     cli.add_engine_options(parser, only=("kv_memory", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -231,17 +270,19 @@ def main() -> None:
     if os.environ.get("WORLD_SIZE", "1") != "1":          # started by torchrun: one process per rank
         args.tensor_parallel_size = int(os.environ["WORLD_SIZE"])
         if int(os.environ["RANK"]) != 0:
-            return engine18.serve_rank(int(os.environ["RANK"]), args.tensor_parallel_size, args.device)
+            return serve_rank(int(os.environ["RANK"]), args.tensor_parallel_size, args.device)
     options = cli.engine_options(args)
-    size = options.get("tensor_parallel_size", 1)
     if torch.device(engine04.setup.pick_device(args.device)).type == "cuda" and torch.cuda.device_count() == 1:
         print("[tensor parallel] one GPU visible: only tensor_parallel_size 1 runs here")
-    engine, prompt, params = engine04.demo(engine13.ContinuousBatchingEngine, args, **options)
-    if size == 1:                         # no processes to talk to: time the steps all the same
-        engine18.attach(engine, 1)
-    engine.runner.steps.clear()           # the same request again, warm: the steps measured
-    engine.generate(prompt, args.max_new_tokens, params)
-    report(engine, engine.runner.rank_stats(), engine.runner.steps)
+    try:
+        engine, prompt, params = engine04.demo(engine13.ContinuousBatchingEngine, args, **options)
+        if options.get("tensor_parallel_size", 1) == 1:     # no processes to talk to: time the steps all the same
+            plugins.plugin("tensor_parallel")(args.model, 1, args.device)(engine)
+        engine.runner.steps.clear()           # the same request again, warm: the steps measured
+        engine.generate(prompt, args.max_new_tokens, params)
+        engine.runner.report()
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: every rank of the group is stopped") from None
     engine.close()
     engine.runner.close()
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
-import datetime
 import importlib
 import json
 import multiprocessing.connection
@@ -46,14 +45,7 @@ runner10 = importlib.import_module("10_model_runner")
 paged = importlib.import_module("11_paged_kv")
 tp = importlib.import_module("18_tensor_parallel")
 
-# Workers wait for the next step inside a broadcast, however long the server sits idle, so the
-# group's timeout is long; a dead peer is noticed by the watchers below, not by a timeout.
-GROUP_TIMEOUT = datetime.timedelta(days=7)
 
-
-def rank_device(device: torch.device | str, rank: int) -> torch.device:
-    """CPU ranks share the CPU; CUDA rank r computes on GPU r."""
-    return torch.device(f"cuda:{rank}") if torch.device(device).type == "cuda" else torch.device("cpu")
 
 
 # --8<-- [start:plugin]
@@ -122,7 +114,25 @@ class TensorParallelRunner(runner10.ModelRunner):
         """Every rank's own bytes and heads, as the rank itself counts them."""
         with self.lock:
             self.model.comm.broadcast(("stats",))
-            return gather_stats(self.model, self.kv)
+            return tp.gather_stats(self.model, self.kv)
+
+    def report(self) -> None:
+        """Each rank's bytes, then the collectives and the time of a decode step, split."""
+        stats, decode = self.rank_stats(), [s for s in self.steps if not s["prefill"]]
+        print(f"\n[Tensor parallel]  {len(stats)} process{'es' if len(stats) > 1 else ''}, "
+              f"backend {dist.get_backend() if dist.is_initialized() else 'none (one process)'}")
+        for s in stats:
+            print(f"  rank {s['rank']} (pid {s['pid']}): weights {s['weight_bytes'] / 1e6:7.1f} MB, "
+                  f"KV pool {s['kv_bytes'] / 2**20:6.1f} MiB, {s['heads']} heads / {s['kv_heads']} KV heads")
+        if not decode:
+            return
+        mean = lambda key: sum(s.get(key, 0) for s in decode) / len(decode)   # noqa: E731
+        reduces = mean("all_reduce")
+        print(f"  per decode step ({len(decode)} steps, batch {mean('seqs'):.0f}): {reduces:.0f} all-reduces of "
+              f"{mean('all_reduce_bytes') / max(reduces, 1):,.0f} bytes, {mean('all_gather'):.0f} all-gather of "
+              f"{mean('all_gather_bytes'):,.0f} bytes, {mean('broadcast'):.0f} broadcast of the step")
+        total, comm = mean("seconds") * 1e3, mean("comm_seconds") * 1e3
+        print(f"  time per decode step: {total:.2f} ms = compute {total - comm:.2f} ms + communication {comm:.2f} ms")
 
     def close(self) -> None:
         """Stop the workers (a 'stop' step when the group is idle, signals otherwise); idempotent."""
@@ -141,35 +151,6 @@ class TensorParallelRunner(runner10.ModelRunner):
                 self.lock.release()
         self.group.close()
 # --8<-- [end:runner]
-
-
-def gather_stats(model: tp.TensorParallelModel, kv: paged.KVPool) -> list[dict]:
-    mine = {"rank": model.comm.rank, "pid": os.getpid(), "weight_bytes": model.weight_bytes,
-            "kv_bytes": kv.nbytes, "heads": model.config.num_heads, "kv_heads": model.config.num_kv_heads}
-    if model.comm.size == 1:
-        return [mine]
-    everyone = [None] * model.comm.size
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
-# --8<-- [start:worker]
-def serve(rank: int, size: int, device: torch.device) -> None:
-    """A worker's life: receive the setup, load and shard the model, then run each step rank 0 sends."""
-    comm = tp.Collectives(rank, size, device)
-    _, folder, dtype, num_blocks, block_size = comm.broadcast()
-    model = tp.shard(runner10.load_model(folder, getattr(torch, dtype), device), rank, size, comm)
-    kv = paged.KVPool(model.config, num_blocks, block_size, model.dtype, device)
-    while True:
-        message = comm.broadcast()
-        if message[0] == "step":
-            _, new_tokens, places, starts = message
-            model.forward(kv.batch(new_tokens, places, starts, device), kv)   # logits: rank 0 samples
-        elif message[0] == "stats":
-            gather_stats(model, kv)
-        else:
-            return
-# --8<-- [end:worker]
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -194,10 +175,10 @@ def worker_main(rank: int, size: int, init_method: str, device_type: str, parent
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches every process: rank 0 ends the group
     torch.set_num_threads(threads)
-    device = rank_device(device_type, rank)
+    device = tp.rank_device(device_type, rank)
     try:
-        join(rank, size, device, init_method)
-        serve(rank, size, device)
+        tp.join(rank, size, device, init_method)
+        tp.serve(rank, size, device)
     except Exception as exc:   # noqa: BLE001 - rank 0 gone or the group broken: say so in one line
         print(f"[rank {rank}] stopped: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
               file=sys.stderr, flush=True)
@@ -205,21 +186,6 @@ def worker_main(rank: int, size: int, init_method: str, device_type: str, parent
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def serve_rank(rank: int, size: int, device: str | None) -> None:
-    """A worker started by torchrun (which passes rank, size and the rendezvous in the environment)."""
-    device = rank_device(setup.pick_device(device), rank)
-    join(rank, size, device, "env://")
-    serve(rank, size, device)
-    dist.destroy_process_group()
-
-
-def join(rank: int, size: int, device: torch.device, init_method: str) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                            world_size=size, rank=rank, timeout=GROUP_TIMEOUT)
 
 
 # --8<-- [start:group]
@@ -234,7 +200,7 @@ class ProcessGroup:
         if os.environ.get("WORLD_SIZE", "1") != "1":     # torchrun started every rank already
             if int(os.environ["WORLD_SIZE"]) != size or int(os.environ["RANK"]) != 0:
                 raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; the engine asks for {size}")
-            join(0, size, rank_device(device, 0), "env://")
+            tp.join(0, size, tp.rank_device(device, 0), "env://")
             return
         with socket.socket() as s:                       # a free port for the rendezvous
             s.bind(("127.0.0.1", 0))
@@ -251,7 +217,7 @@ class ProcessGroup:
             proc.start()
             self.procs.append(proc)
         threading.Thread(target=self.watch, name="tp-watcher", daemon=True).start()
-        join(0, size, rank_device(device, 0), init_method)
+        tp.join(0, size, tp.rank_device(device, 0), init_method)
         print(f"[engine] tensor parallel: {size} ranks ({dist.get_backend()}), worker pids "
               f"{[p.pid for p in self.procs]}", flush=True)
 
