@@ -90,7 +90,7 @@ def step_s(m: Shape, n: int, bandwidth: float, alpha: float, batch: int = 1, con
 
 def table(batch: int, context: int, sizes=(1, 2, 4, 8)) -> dict:
     print(f"[Scaling model] decode step, batch {batch}, context {context} tokens, on H100-class GPUs "
-          f"(ms per step; speed-up over N=1 in brackets; '-' = does not fit 90% of 80 GB)")
+          f"(ms per step;\n  in brackets, speed-up over the smallest N that fits 90% of an 80 GB GPU; '-' where it does not)")
     print(f"  {'model':<20}{'link':<15}" + "".join(f"{'N=' + str(n):>16}" for n in sizes))
     out = {}
     for m in MODELS:
@@ -111,8 +111,9 @@ def pipeline_line(batch: int, context: int) -> None:
     stage = step_s(m, 8, nv_bw, nv_a, batch, context)
     hop = eth_a + batch * m.hidden * m.dtype_bytes / eth_bw
     tp16 = step_s(m, 16, eth_bw, eth_a, batch, context)["total"]
-    # one token passes both stages in turn: latency = 2 half-model steps on 8 GPUs each + one hop
-    pp = 2 * step_s(m, 16, nv_bw, nv_a, batch, context)["compute"] + 2 * (stage["comm"]) + hop
+    # a token passes the two stages in turn: each reads half the model on 8 GPUs and does half the
+    # layers' all-reduces over NVLink; between them, one hop over Ethernet
+    pp = 2 * step_s(m, 16, nv_bw, nv_a, batch, context)["compute"] + stage["comm"] + hop
     print(f"\n[Across two 8-GPU nodes, Llama-3.1-70B, batch {batch}]  TP 16 over Ethernet: {tp16 * 1e3:.1f} ms/step;"
           f"  TP 8 in each node + 2 pipeline stages: {pp * 1e3:.1f} ms/step (one {batch * m.hidden * 2:,}-byte hop)")
     print(f"  one node, TP 8 over NVLink: {stage['total'] * 1e3:.1f} ms/step; a second node is better spent "
@@ -177,7 +178,7 @@ def measure_decode_ms(folder, steps: int = 24) -> float:
 def cpu_prediction(decode_ms: float, times: dict[int, float]) -> None:
     m = MODELS[0]
     alpha = times[2304]
-    bandwidth = (1 << 20) / max(times[1 << 20] - alpha, 1e-9)
+    bandwidth = ((1 << 20) - (1 << 16)) / max(times[1 << 20] - times[1 << 16], 1e-9)   # latency cancels
     print(f"\n[This CPU, measured: {torch.get_num_threads()} threads]  batch-1 decode step {decode_ms:.1f} ms; "
           f"gloo all-reduce between 2 processes: {alpha * 1e6:.0f} us for {2304:,} bytes (one token's hidden state), "
           f"{times[1 << 16] * 1e6:.0f} us for 64 KiB, {times[1 << 20] * 1e3:.2f} ms for 1 MiB (~{bandwidth / 1e9:.1f} GB/s)")
@@ -192,7 +193,7 @@ def plot(path: str, results: dict, sizes=(1, 2, 4, 8)) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     styles = {"NVLink": "-", "PCIe 5": "--", "Ethernet 100G": ":"}
     colours = {m.name: c for m, c in zip(MODELS, ("tab:green", "tab:blue", "tab:red"))}
     for (name, link), steps in results.items():
@@ -204,8 +205,8 @@ def plot(path: str, results: dict, sizes=(1, 2, 4, 8)) -> None:
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.set_xlabel("tensor-parallel size N (GPUs)")
     ax.set_ylabel("decode step, batch 1 (ms, log scale)")
-    ax.set_title("Tensor parallelism on paper: H100 datasheet figures, 18_tensor_parallel_scaling.py")
-    ax.legend(fontsize=7, ncol=1, loc="upper right")
+    ax.set_title("Tensor parallelism on paper (H100 datasheet figures; 18_tensor_parallel_scaling.py)", fontsize=10)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
