@@ -6,10 +6,12 @@ One tensor-parallel engine per module: spawning the workers and loading the mode
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +30,8 @@ engine04 = load_script("04_engine")
 tp = load_script("18_tensor_parallel")
 tp_engine_mod = load_script("18_tensor_parallel_engine")
 server = load_script("05_server")
+launcher = importlib.import_module("kit.launcher")
+SPEC = "13_continuous_batching_engine:ContinuousBatchingEngine"
 
 KV = 8 << 20
 PROMPTS = engine04.reference_prompts() + ["One, two, three,"]          # 8 requests
@@ -140,25 +144,41 @@ def wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.mark.parametrize("victim", ["worker", "parent"])
-def test_a_dead_process_ends_the_group_and_leaves_nobody_behind(tiny_model_dir, victim):
+def test_a_killed_worker_ends_the_server_and_leaves_nobody_behind(tiny_model_dir, tmp_path):
+    options = {"tensor_parallel_size": 2, "kv_memory": KV}
+    cmd = launcher.server_command(launcher.free_port(), str(tiny_model_dir), SPEC, "cpu", options)
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert launcher.wait_until_healthy(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", proc, 60)
+        out.seek(0)
+        worker = int(re.search(r"worker pids \[(\d+)\]", out.read()).group(1))
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=20) == 1
+        err.seek(0)
+        last = err.read().strip().splitlines()[-1]
+        assert f"tensor-parallel worker tp-rank-1 (pid {worker}) exited with code -9" in last, last
+        assert wait_gone([proc.pid, worker]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_killed_rank_0_takes_its_workers_with_it(tiny_model_dir):
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(REPO_ROOT), model=str(tiny_model_dir))],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         line = child.stdout.readline()
         while line and not line.startswith("PIDS"):
             line = child.stdout.readline()
-        assert line.startswith("PIDS"), child.stderr.read()
+        assert line.startswith("PIDS")
         parent, worker = map(int, line.split()[1:])
         assert parent == child.pid
-        os.kill(worker if victim == "worker" else parent, signal.SIGKILL)
+        os.kill(parent, signal.SIGKILL)
         child.wait(timeout=20)
-        if victim == "worker":
-            last = child.stderr.read().strip().splitlines()[-1]
-            assert child.returncode == 1
-            assert "tensor-parallel worker tp-rank-1" in last and "exited with code -9" in last, last
-        assert wait_gone([parent, worker]) == []
+        assert wait_gone([worker]) == []
     finally:
         if child.poll() is None:
             child.kill()
