@@ -46,8 +46,6 @@ paged = importlib.import_module("11_paged_kv")
 tp = importlib.import_module("18_tensor_parallel")
 
 
-
-
 # --8<-- [start:plugin]
 def tensor_parallel(model_name: str | None, size: int, device: str | None = None, quant: str | None = None):
     """The engine's tensor_parallel_size option (found through kit/plugins.py): checked now, before
@@ -72,11 +70,16 @@ def attach(engine, size: int) -> None:
     model, pool = engine.runner.model, engine.pool
     tp.check_size(model.config, size)
     group = ProcessGroup(size, model.device) if size > 1 else None
-    comm = tp.Collectives(0, size, model.device)
-    comm.broadcast(("setup", str(engine.folder), str(model.dtype).removeprefix("torch."),
-                    pool.num_blocks, pool.block_size))
-    sharded = tp.shard(model, 0, size, comm)
-    engine.pool = paged.KVPool(sharded.config, pool.num_blocks, pool.block_size, model.dtype, model.device)
+    try:
+        comm = tp.Collectives(0, size, model.device)
+        comm.broadcast(("setup", str(engine.folder), str(model.dtype).removeprefix("torch."),
+                        pool.num_blocks, pool.block_size))
+        sharded = tp.shard(model, 0, size, comm)
+        engine.pool = paged.KVPool(sharded.config, pool.num_blocks, pool.block_size, model.dtype, model.device)
+    except BaseException:
+        if group:
+            group.close()
+        raise
     engine.runner = TensorParallelRunner(sharded, engine.pool, group)
 # --8<-- [end:plugin]
 
@@ -103,7 +106,13 @@ class TensorParallelRunner(runner10.ModelRunner):
             comm = self.model.comm
             comm.reset()
             start = time.perf_counter()
-            tokens = super().step(requests, starts, lengths, places)
+            try:
+                tokens = super().step(requests, starts, lengths, places)
+            except BaseException:   # ranks may now wait at different collectives: the group cannot go on
+                self.closed = True
+                if self.group:
+                    self.group.close(grace=0.0)
+                raise
             comm.sync()
             self.steps.append({"prefill": max(lengths) > 1, "seqs": len(lengths),
                                "seconds": time.perf_counter() - start, "comm_seconds": comm.seconds,
@@ -246,9 +255,9 @@ class ProcessGroup:
                 proc.kill()
                 proc.join()
 
-    def close(self) -> None:
+    def close(self, grace: float = 5.0) -> None:
         self.closing = True
-        self.stop_workers()
+        self.stop_workers(grace)
         if dist.is_initialized():
             dist.destroy_process_group()
 # --8<-- [end:group]
