@@ -26,6 +26,7 @@ import importlib
 import os
 import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -149,16 +150,21 @@ def measure_gloo(sizes=(2304, 1 << 16, 1 << 20), reps: int = 50) -> dict[int, fl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")      # both processes on this machine
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, list(sizes), reps, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, list(sizes), reps, out), daemon=True)
+             for r in (0, 1)]
     for p in procs:
         p.start()
-    times = out.get(timeout=120)
-    for p in procs:
-        p.join(30)
-    return times
+    try:
+        return out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 def measure_decode_ms(folder, steps: int = 24) -> float:
