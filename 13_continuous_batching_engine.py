@@ -21,6 +21,7 @@ same name as the flag of 05_server.py and of both benchmarks:
     max_num_batched_tokens          tokens in one step, at most (the prefill chunk size)
     speculative, num_speculative_tokens, draft_model
                                     guess tokens and verify them in one step (Chapter 10)
+    tensor_parallel_size            the model split over N processes (Chapter 14)
 
     python 13_continuous_batching_engine.py --quant int8 --prefix-caching   # one prompt, as 04_engine.py
     python 13_continuous_batching_demo.py                # a mixed workload, traced step by step
@@ -64,7 +65,8 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
                  block_size: int = paged.DEFAULT_BLOCK_SIZE, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 256, prefix_caching: bool = False,
                  quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
-                 speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None):
+                 speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
+                 tensor_parallel_size: int = 1):
         scheduler13.Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)   # before loading a model
         speculator = plugins.plugin("speculator")(speculative, num_speculative_tokens, draft_model) \
             if speculative is not None else None        # Chapter 10's, found by name (checked now)
@@ -72,8 +74,13 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         if prefix_caching:   # Chapter 8: admission shares a cached prefix; each step publishes full blocks
             self.block_manager = prefix12.PrefixCachingBlockManager
+        parallel = None
+        if tensor_parallel_size != 1:   # Chapter 14, found by name: checked before the model loads
+            parallel = plugins.plugin("tensor_parallel")(model_name, tensor_parallel_size, device, quant)
         # Chapters 6, 7 and 12: tokenizer, output processor, model runner on a KV pool, block manager
         super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head)
+        if parallel:
+            parallel(self)              # the runner becomes rank 0 of tensor_parallel_size processes
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
         self.speculator = speculator(self) if speculator else None
         self.on_step = None                  # the demo's tracer: called with each step's record

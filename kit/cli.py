@@ -120,7 +120,8 @@ GROUP_SIZES = (32, 64, 128, 256)
 QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft")
 ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_memory", "block_size",
-                  "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens", "draft_model")
+                  "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens", "draft_model",
+                  "tensor_parallel_size")
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -150,6 +151,8 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="guesses per verification, at most (default 4)")
     g.add_argument("--draft-model", default=None,
                    help="the draft model, same tokenizer (default: this model on int4 weights)")
+    g.add_argument("--tensor-parallel-size", type=integer(1, 64), default=None,
+                   help="split the model over N processes: gloo on CPU, NCCL on N GPUs (Chapter 14)")
 
 
 class _OnlyGroup:

@@ -15,6 +15,7 @@ import importlib
 PLUGINS = {
     "speculator": "14_speculative_decoding:speculator",   # (method, k, draft model) -> engine -> Speculator
     "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
+    "tensor_parallel": "18_tensor_parallel_engine:tensor_parallel",   # (model, size, device, quant) -> engine -> None
 }
 
 

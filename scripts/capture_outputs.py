@@ -159,6 +159,15 @@ CAPTURES = [
         "python 16_quantization_demo.py --threads 1 --plot book/assets/ch12-quantization.png",
     ], timeout_s=3600),
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
+    # Chapter 14 (tensor parallelism): the default model's 9 heads and 3 KV heads split in 3, not 2
+    Capture("18_tensor_parallel", ["python 18_tensor_parallel.py --tensor-parallel-size 3 --max-new-tokens 32"],
+            timeout_s=900),
+    Capture("18_tensor_parallel_n1", ["python 18_tensor_parallel.py --max-new-tokens 32 --threads 1"], timeout_s=900),
+    Capture("18_tensor_parallel_refused", ["python 18_tensor_parallel.py --tensor-parallel-size 2 2>&1 || true"],
+            timeout_s=300),
+    Capture("18_tensor_parallel_scaling", [
+        "python 18_tensor_parallel_scaling.py --measure --threads 1 --plot book/assets/ch14-scaling.png",
+    ], timeout_s=900),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
     Capture("16_llama_cpp_anchor", [
         "python 16_quantization_demo.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "

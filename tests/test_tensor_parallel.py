@@ -1,0 +1,217 @@
+"""Chapter 14: tensor parallelism. N = 2 processes (gloo on CPU) against one, on the tiny model;
+N = 3 on the default model (its 9 heads and 3 KV heads do not split in 2).
+
+One tensor-parallel engine per module: spawning the workers and loading the model is the cost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import REPO_ROOT, load_script
+from test_server_continuous import body_for, text_of
+
+cb = load_script("13_continuous_batching_engine")
+engine04 = load_script("04_engine")
+server = load_script("05_server")
+launcher = importlib.import_module("kit.launcher")
+SPEC = "13_continuous_batching_engine:ContinuousBatchingEngine"
+
+KV = 8 << 20
+PROMPTS = engine04.reference_prompts() + ["One, two, three,"]          # 8 requests
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir):
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def parallel(tiny_model_dir):
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8,
+                                         tensor_parallel_size=2)
+    yield engine
+    engine.close()
+    engine.runner.close()
+
+
+def prefill_logits(engine, prompts: list[str]) -> torch.Tensor:
+    """The last-token logits of every prompt's prefill, in one ragged step through the engine's runner
+    (on N ranks: rank 0 broadcasts the step, as in every step, and gets the gathered logits)."""
+    requests = [engine.new_request(p, 4) for p in prompts]
+    try:
+        for r in requests:
+            engine.blocks.allocate_prompt(r.id, r.prompt_ids)
+        args = (requests, [0] * len(requests), [r.num_tokens for r in requests],
+                [engine.blocks.tables[r.id] for r in requests])
+        lock = getattr(engine.runner, "lock", None) or contextlib.nullcontext()
+        with lock:
+            return engine.model.forward(engine.runner.prepare(*args), engine.runner.kv)
+    finally:
+        for r in requests:
+            engine.blocks.free(r.id)
+
+
+def test_logits_within_1e_4_of_one_process(single, parallel):
+    one, two = prefill_logits(single, PROMPTS), prefill_logits(parallel, PROMPTS)
+    assert one.shape == two.shape == (len(PROMPTS), single.model.config.vocab_size)
+    assert (one - two).abs().max().item() < 1e-4
+
+
+def test_greedy_identical_for_8_concurrent_requests(single, parallel):
+    params = engine04.SamplingParams(ignore_eos=True)
+    one = single.generate_batch(PROMPTS, 12, params)
+    parallel.recent_batches.clear()
+    two = parallel.generate_batch(PROMPTS, 12, params)
+    assert [r.output_ids for r in two] == [r.output_ids for r in one]
+    assert max(parallel.recent_batches) > 1, "the requests never shared a step"
+
+
+def test_server_with_8_concurrent_clients(single, parallel):
+    requests = [body_for(i) for i in range(8)]
+
+    async def answers(engine):
+        transport = httpx.ASGITransport(app=server.make_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            responses = await asyncio.gather(*(client.post(p, json=b) for p, b in requests))
+        return [text_of(p, b, r) for (p, b), r in zip(requests, responses)]
+
+    assert asyncio.run(answers(parallel)) == asyncio.run(answers(single))
+
+
+def test_each_rank_holds_1_over_n_of_layers_and_kv(single, parallel):
+    stats = parallel.runner.rank_stats()
+    full, c = single.model, single.model.config
+    norms = sum(t.numel() * t.element_size() for name, t in full.w.items() if "norm" in name)
+    assert [s["rank"] for s in stats] == [0, 1] and len({s["pid"] for s in stats}) == 2
+    for s in stats:
+        assert s["weight_bytes"] - norms == (full.weight_bytes - norms) // 2   # every matrix split, norms kept
+        assert s["kv_bytes"] == single.pool.nbytes // 2
+        assert (s["heads"], s["kv_heads"]) == (c.num_heads // 2, c.num_kv_heads // 2)
+
+
+def test_an_indivisible_head_count_is_refused_before_any_process_starts(tiny_model_dir):
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads and 2 KV heads"):
+        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="drop quant"):
+        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", tensor_parallel_size=2, quant="int8")
+    assert multiprocessing.active_children() == before
+
+
+CHILD = textwrap.dedent("""
+    import importlib, sys, time
+    sys.path.insert(0, {root!r})
+    cb = importlib.import_module("13_continuous_batching_engine")
+    engine = cb.ContinuousBatchingEngine({model!r}, device="cpu", kv_memory=8 << 20, tensor_parallel_size=2)
+    print("PIDS", *[s["pid"] for s in engine.runner.rank_stats()], flush=True)
+    while True:
+        engine.generate("Count to ten:", 8)
+""")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_a_killed_worker_ends_the_server_and_leaves_nobody_behind(tiny_model_dir, tmp_path):
+    options = {"tensor_parallel_size": 2, "kv_memory": KV}
+    cmd = launcher.server_command(launcher.free_port(), str(tiny_model_dir), SPEC, "cpu", options)
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert launcher.wait_until_healthy(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", proc, 60)
+        out.seek(0)
+        worker = int(re.search(r"worker pids \[(\d+)\]", out.read()).group(1))
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=20) == 1
+        err.seek(0)
+        last = err.read().strip().splitlines()[-1]
+        assert f"tensor-parallel worker tp-rank-1 (pid {worker}) exited with code -9" in last, last
+        assert wait_gone([proc.pid, worker]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_killed_rank_0_takes_its_workers_with_it(tiny_model_dir):
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(REPO_ROOT), model=str(tiny_model_dir))],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = child.stdout.readline()
+        while line and not line.startswith("PIDS"):
+            line = child.stdout.readline()
+        assert line.startswith("PIDS")
+        parent, worker = map(int, line.split()[1:])
+        assert parent == child.pid
+        os.kill(parent, signal.SIGKILL)
+        child.wait(timeout=20)
+        assert wait_gone([worker]) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+REAL = textwrap.dedent("""
+    import json, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import test_tensor_parallel as t
+    prompts, params, out = t.PROMPTS[:7], t.engine04.SamplingParams(), {{}}
+    one = t.cb.ContinuousBatchingEngine({model!r}, device="cpu", kv_memory=64 << 20)
+    logits, expected = t.prefill_logits(one, prompts), one.generate_batch(prompts, 8, params)
+    one.close()
+    try:
+        t.cb.ContinuousBatchingEngine({model!r}, device="cpu", tensor_parallel_size=2)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    three = t.cb.ContinuousBatchingEngine({model!r}, device="cpu", kv_memory=64 << 20, tensor_parallel_size=3)
+    out["diff"] = (t.prefill_logits(three, prompts) - logits).abs().max().item()
+    out["same"] = [r.output_ids for r in three.generate_batch(prompts, 8, params)] == [r.output_ids for r in expected]
+    three.close()
+    three.runner.close()
+    print("RESULT", json.dumps(out))
+""")
+
+
+@pytest.mark.real_model
+def test_default_model_on_3_processes_matches_one(default_model_dir):
+    """In a process of its own: one process holds one group, and this module's engine holds one."""
+    code = REAL.format(root=str(REPO_ROOT), tests=str(REPO_ROOT / "tests"), model=str(default_model_dir))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-2000:]
+    out = json.loads(lines[0][7:])
+    assert "sizes that fit: 1, 3" in out["refused"]
+    assert out["diff"] < 1e-4
+    assert out["same"]
