@@ -64,11 +64,17 @@ class ModelRunner:
         new_tokens = [r.tokens(s, n) for r, s, n in zip(requests, starts, lengths)]
         return self.kv.batch(new_tokens, places, starts, self.model.device)
 
+    def forward(self, requests: list[Request], starts: list[int], lengths: list[int], places: list,
+                num_logits: list[int] | None = None) -> torch.Tensor:
+        """prepare -> forward: the logits of each request's last token fed (or of its last
+        num_logits[i] tokens: a speculative verification, Chapter 10)."""
+        return self.model.forward(self.prepare(requests, starts, lengths, places), self.kv, num_logits=num_logits)
+
     def step(self, requests: list[Request], starts: list[int], lengths: list[int],
              places: list) -> list[int | None]:
         """prepare -> forward -> sample. The next token of each request whose known tokens are all
         computed after this step; None for a request still in the middle of its prompt."""
-        logits = self.model.forward(self.prepare(requests, starts, lengths, places), self.kv)
+        logits = self.forward(requests, starts, lengths, places)
         ready = [i for i, (r, s, n) in enumerate(zip(requests, starts, lengths)) if s + n == r.num_tokens]
         tokens: list[int | None] = [None] * len(requests)
         if ready:

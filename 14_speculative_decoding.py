@@ -114,8 +114,7 @@ class DraftModelProposer:
             rs = [requests[i] for i in live]
             starts = [self.computed[r.id] for r in rs]
             lengths = [r.num_tokens + len(r.draft_ids) - s for r, s in zip(rs, starts)]   # catch up, then 1
-            batch = self.runner.prepare(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])
-            logits = self.runner.model.forward(batch, self.runner.kv)
+            logits = self.runner.forward(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])
             logits = sampling.adjust_logits(logits, [r.params for r in rs], [r.history for r in rs])
             for i, r, row in zip(live, rs, logits):
                 self.computed[r.id] = r.num_tokens + len(r.draft_ids)
@@ -208,8 +207,7 @@ class Speculator:
         """prepare -> forward -> accept: the tokens each request keeps (None: a prefill chunk)."""
         ready = [s + n == r.num_tokens + len(r.draft_ids) for r, s, n in zip(requests, starts, lengths)]
         num_logits = [1 + len(r.draft_ids) if ok else 1 for r, ok in zip(requests, ready)]
-        logits = runner.model.forward(runner.prepare(requests, starts, lengths, places), runner.kv,
-                                      num_logits=num_logits).split(num_logits)
+        logits = runner.forward(requests, starts, lengths, places, num_logits).split(num_logits)
         runs: list[list[int] | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids]
         for i, token in zip(plain, decode_loop.sample(torch.cat([logits[i] for i in plain]), [requests[i] for i in plain])

@@ -232,8 +232,8 @@ def serve(rank: int, size: int, device: torch.device) -> None:
     while True:
         message = comm.broadcast()
         if message[0] == "step":
-            _, new_tokens, places, starts = message
-            model.forward(kv.batch(new_tokens, places, starts, device), kv)   # logits: rank 0 samples
+            _, new_tokens, places, starts, num_logits = message
+            model.forward(kv.batch(new_tokens, places, starts, device), kv, num_logits=num_logits)   # rank 0 samples
         elif message[0] == "stats":
             gather_stats(model, kv)
         else:

@@ -94,12 +94,8 @@ class TensorParallelRunner(runner10.ModelRunner):
         self.steps: collections.deque = collections.deque(maxlen=4096)   # timings of recent steps
         atexit.register(self.close)
 
-    def prepare(self, requests, starts, lengths, places) -> model10.RaggedBatch:
-        new_tokens = [r.tokens(s, n) for r, s, n in zip(requests, starts, lengths)]
-        self.model.comm.broadcast(("step", new_tokens, places, starts))
-        return self.kv.batch(new_tokens, places, starts, self.model.device)
-
-    def step(self, requests, starts, lengths, places) -> list[int | None]:
+    def forward(self, requests, starts, lengths, places, num_logits=None):
+        """Every rank runs the same forward: the batch goes to the workers first."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("the tensor-parallel group is closed")
@@ -107,7 +103,10 @@ class TensorParallelRunner(runner10.ModelRunner):
             comm.reset()
             start = time.perf_counter()
             try:
-                tokens = super().step(requests, starts, lengths, places)
+                new_tokens = [r.tokens(s, n) for r, s, n in zip(requests, starts, lengths)]
+                comm.broadcast(("step", new_tokens, places, starts, num_logits))
+                logits = self.model.forward(self.kv.batch(new_tokens, places, starts, self.model.device), self.kv,
+                                            num_logits=num_logits)
             except BaseException:   # ranks may now wait at different collectives: the group cannot go on
                 self.closed = True
                 if self.group:
@@ -117,7 +116,7 @@ class TensorParallelRunner(runner10.ModelRunner):
             self.steps.append({"prefill": max(lengths) > 1, "seqs": len(lengths),
                                "seconds": time.perf_counter() - start, "comm_seconds": comm.seconds,
                                **comm.count, **{f"{k}_bytes": v for k, v in comm.bytes.items()}})
-            return tokens
+            return logits
 
     def rank_stats(self) -> list[dict]:
         """Every rank's own bytes and heads, as the rank itself counts them."""

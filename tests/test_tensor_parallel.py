@@ -6,7 +6,6 @@ One tensor-parallel engine per module: spawning the workers and loading the mode
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import json
 import multiprocessing
@@ -60,9 +59,7 @@ def prefill_logits(engine, prompts: list[str]) -> torch.Tensor:
             engine.blocks.allocate_prompt(r.id, r.prompt_ids)
         args = (requests, [0] * len(requests), [r.num_tokens for r in requests],
                 [engine.blocks.tables[r.id] for r in requests])
-        lock = getattr(engine.runner, "lock", None) or contextlib.nullcontext()
-        with lock:
-            return engine.model.forward(engine.runner.prepare(*args), engine.runner.kv)
+        return engine.runner.forward(*args)
     finally:
         for r in requests:
             engine.blocks.free(r.id)
@@ -81,6 +78,20 @@ def test_greedy_identical_for_8_concurrent_requests(single, parallel):
     two = parallel.generate_batch(PROMPTS, 12, params)
     assert [r.output_ids for r in two] == [r.output_ids for r in one]
     assert max(parallel.recent_batches) > 1, "the requests never shared a step"
+
+
+def test_speculative_verification_runs_on_every_rank(single, parallel):
+    """Chapter 10 on Chapter 14: a verification feeds k + 1 tokens and wants their logits; the
+    workers must compute the same rows, or the LM head's all-gather would not match."""
+    spec = load_script("14_speculative_decoding")
+    parallel.speculator = spec.speculator("draft", 4)(parallel)      # this model on int4, on rank 0
+    try:
+        params = engine04.SamplingParams(ignore_eos=True)
+        one, two = single.generate_batch(PROMPTS[:4], 16, params), parallel.generate_batch(PROMPTS[:4], 16, params)
+        assert [r.output_ids for r in one] == [r.output_ids for r in two]
+        assert sum(r.metrics.accepted_tokens or 0 for r in two) > 0
+    finally:
+        parallel.speculator = None
 
 
 def test_server_with_8_concurrent_clients(single, parallel):
