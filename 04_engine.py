@@ -200,6 +200,9 @@ class BaselineEngine(BaseOfflineEngine):
             processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
         if params.presence_penalty or params.frequency_penalty:
             processors.append(hf_hooks.OutputPenalties(params, n_prompt))
+        if params.structured is not None:   # Chapter 11's grammar, last: it only removes tokens
+            processors.append(plugins.plugin("structured_output_hf")(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, params.structured))
         return LogitsProcessorList(processors)
     # --8<-- [end:generation-config]
 
