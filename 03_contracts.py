@@ -165,6 +165,19 @@ class SamplingParams:
         return min(max_new_tokens, self.max_tokens or max_new_tokens)
 
 
+def is_integer(value) -> bool:
+    """An int that is not a bool (True is an int in Python, but not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    """An integer >= 1: NaN, 1.5 or True would slip past the comparisons that bound a request."""
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+# --8<-- [end:sampling-params]
+
+
+# --8<-- [start:structured]
 def structured_spec(structured) -> tuple[str, str | tuple[str, ...]]:
     """A structured-output request as a hashable (kind, text) pair, bounded and checked to compile.
 
@@ -214,7 +227,7 @@ def schema_text(schema, name: str = "schema") -> str:
     if json_depth(schema) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{name} is nested deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
-        text = json.dumps(schema, separators=(",", ":"), sort_keys=True, allow_nan=False)
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)   # key order kept: it is the output's
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} is not JSON: {exc}") from None
     if len(text) > MAX_STRUCTURED_CHARS:
@@ -228,18 +241,7 @@ def json_depth(value, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
         return 0
     children = value.values() if isinstance(value, dict) else value
     return 1 + max((json_depth(v, limit - 1) for v in children), default=0)
-
-
-def is_integer(value) -> bool:
-    """An int that is not a bool (True is an int in Python, but not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_max_new_tokens(max_new_tokens) -> None:
-    """An integer >= 1: NaN, 1.5 or True would slip past the comparisons that bound a request."""
-    if not is_integer(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-# --8<-- [end:sampling-params]
+# --8<-- [end:structured]
 
 
 # --8<-- [start:metrics]

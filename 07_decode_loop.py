@@ -106,8 +106,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         for i, entry in zip(asking, entries):
             requests[i].logprobs.append(entry)
     return tokens
+# --8<-- [end:sample]
 
 
+# --8<-- [start:constrain]
 def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Chapter 11: in each constrained row, -inf for the tokens its grammar forbids next.
     The other rows are left exactly as they were."""
@@ -118,7 +120,7 @@ def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     for i in rows:
         requests[i].constraint.mask(logits[i])
     return logits
-# --8<-- [end:sample]
+# --8<-- [end:constrain]
 
 
 # --8<-- [start:output-processor]

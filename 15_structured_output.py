@@ -216,7 +216,7 @@ def show_tokens_across_syntax(texts: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 11: constrained decoding, by hand then with xgrammar.")
-    cli.add_model_flags(parser)
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--max-new-tokens", type=cli.integer(1, 512), default=64)
     args = parser.parse_args()
     engine10 = importlib.import_module("10_model_engine")
