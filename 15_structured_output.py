@@ -104,8 +104,23 @@ def parse_grammar(spec: tuple):
     if kind == "choice":   # JSON's string escapes are EBNF's too
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
     if kind == "structural_tag":   # free text with tagged, schema-checked parts (tool calls)
-        return xgr.Grammar.from_structural_tag(value)
+        return xgr.Grammar.from_structural_tag(json.dumps(compact_json(json.loads(value))))
     raise ValueError(f"structured: unknown kind {kind!r}")
+
+
+def compact_json(tag):
+    """A structural tag whose JSON parts are compact too: each json_schema part becomes the
+    grammar of its schema, written without free whitespace."""
+    import xgrammar as xgr
+
+    if isinstance(tag, list):
+        return [compact_json(t) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        schema = json.dumps(tag["json_schema"])
+        return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))}
+    return {key: compact_json(value) for key, value in tag.items()}
 
 
 @functools.lru_cache(maxsize=1024)

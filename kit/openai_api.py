@@ -57,10 +57,23 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str                            # JSON text, as the server sent it
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # see chat_messages()
-    role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer system
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # developer: OpenAI's newer system
+    content: str | list[ContentPart] | None = None   # None only for an assistant's tool calls
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=32)] | None = None   # Chapter 11: an earlier call
+    tool_call_id: str | None = None           # a tool message: the call it answers
 
 
 class StreamOptions(_Strict):
@@ -86,8 +99,7 @@ UNSUPPORTED = {
 # Chat-only fields sent to /v1/completions, and message fields the chat template has no place for.
 NOT_FOR_COMPLETIONS = {"max_completion_tokens": None, "top_logprobs": None, "messages": None,
                        "tools": None, "tool_choice": None}
-MESSAGE_UNSUPPORTED = {"name": None, "tool_calls": (None, []), "tool_call_id": None, "function_call": None,
-                       "audio": None}
+MESSAGE_UNSUPPORTED = {"name": None, "function_call": None, "audio": None}
 
 
 def check_request(req: SamplingFields, model_name: str) -> None:
@@ -350,12 +362,20 @@ def chat_messages(messages: list) -> list[dict]:
     for i, m in enumerate(messages):
         refuse_unsupported(m.model_extra or {}, MESSAGE_UNSUPPORTED, where=f"messages[{i}].")
         content = m.content
-        if not isinstance(content, str):
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages[{i}]: only an assistant message has tool_calls", param="messages")
+        if content is None and not m.tool_calls:
+            raise APIError(400, f"messages[{i}].content is required", param="messages")
+        if content is None:
+            content = ""
+        elif not isinstance(content, str):
             refused = [p.type for p in content if p.type != "text" or p.text is None]
             if refused:
                 raise APIError(400, f"messages[{i}].content: only text parts are supported, got {refused[0]!r}",
                                param="messages")
             content = "".join(p.text for p in content)
+        # An earlier tool call goes back into the conversation as the text the model wrote for it.
+        content += "".join(structured_api.call_text(c.function.name, c.function.arguments) for c in m.tool_calls or ())
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
 

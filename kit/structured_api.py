@@ -99,6 +99,11 @@ def with_tools(messages: list[dict], tools: list) -> list[dict]:
 # --8<-- [end:tools]
 
 
+def call_text(name: str, arguments: str) -> str:
+    """A call as the model writes it (an assistant's earlier call, sent back in the conversation)."""
+    return f'{TOOL_OPEN}{{"name": {json.dumps(name)}, "arguments": {arguments}}}{TOOL_CLOSE}'
+
+
 class FieldError(ValueError):
     """A request field that cannot be served as sent (the server answers 400 naming it)."""
 

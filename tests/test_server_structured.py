@@ -56,6 +56,27 @@ def test_response_format_json_schema_and_json_object(http):
     assert chat(http, response_format={"type": "text"}, max_tokens=4)["finish_reason"] == "length"
 
 
+def test_concurrent_free_requests_keep_their_solo_answers(http):
+    """Constrained and free requests at once (the batching engine runs them in the same steps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    free = [{"prompt": p, "max_tokens": 16} for p in ("Once upon a time", "The sky is", "def main():")]
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    forced = [{"prompt": p, "max_tokens": 120, "response_format": fmt, "temperature": 1.0, "seed": i}
+              for i, p in enumerate(("JSON:", "A person:", "{"))]
+
+    def text(body):
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    alone = [text(b) for b in free]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(text, free + forced))
+    assert together[:3] == alone
+    for answer in together[3:]:
+        jsonschema.validate(json.loads(answer), PERSON)
+
+
 def test_guided_fields_on_completions(http):
     def complete(**body):
         response = http.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 80, **body})
@@ -106,6 +127,19 @@ def test_tool_choice_none_never_calls_and_auto_answers_either_way(client, http):
                                 WEATHER["function"]["parameters"])
         else:
             assert "<tool_call>" not in (message.content or "") or reply.choices[0].finish_reason == "length"
+
+
+def test_a_tool_result_goes_back_into_the_conversation(client, http):
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=120)
+    call = reply.choices[0].message.tool_calls[0]
+    follow_up = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    answer = client.chat.completions.create(model="tiny", messages=follow_up, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=8)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": None}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
 
 
 def test_openai_parse_returns_a_pydantic_object(client):
