@@ -156,6 +156,11 @@ class SamplingParams:
                              f"(ids 0 to {vocab_size - 1})")
 
     @property
+    def stops_on_eos(self) -> bool:
+        """EOS ends the request, unless ignore_eos; a grammar's EOS always does (Chapter 11)."""
+        return not self.ignore_eos or self.structured is not None
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -179,7 +179,7 @@ class BaselineEngine(BaseOfflineEngine):
             max_new_tokens=max_new_tokens,
             bos_token_id=base.bos_token_id,
             pad_token_id=base.pad_token_id if base.pad_token_id is not None else self.tokenizer.eos_token_id,
-            eos_token_id=[] if params.ignore_eos else sorted(self.eos_token_ids),  # [] = never stop on EOS
+            eos_token_id=sorted(self.eos_token_ids) if params.stops_on_eos else [],  # [] = never stop on EOS
         )
         if params.is_greedy:
             config.do_sample = False
@@ -221,7 +221,7 @@ class BaselineEngine(BaseOfflineEngine):
                 detok.add(token_id)
                 if detok.stopped:
                     break
-        ended_on_eos = bool(new_ids) and new_ids[-1] in self.eos_token_ids and not params.ignore_eos
+        ended_on_eos = bool(new_ids) and new_ids[-1] in self.eos_token_ids and params.stops_on_eos
         return GenerateResult(
             text=detok.text,
             output_ids=list(new_ids),

@@ -156,8 +156,7 @@ class OutputProcessor:
         piece = r.detok.add(token_id)
         if r.constraint is not None and not r.constraint.accept(token_id):
             raise RuntimeError(f"token {token_id} breaks the request's grammar: was its row masked?")
-        grammar_done = r.constraint is not None and r.constraint.finished   # it ended with EOS
-        if r.detok.stopped or grammar_done or (token_id in self.eos_token_ids and not r.params.ignore_eos):
+        if r.detok.stopped or (token_id in self.eos_token_ids and r.params.stops_on_eos):
             r.finish_reason = "stop"        # the EOS / stop-completing token stays in new_ids
         elif len(r.new_ids) >= r.budget:
             r.finish_reason = "length"

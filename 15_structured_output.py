@@ -200,26 +200,23 @@ def make_constraint(tokenizer, vocab_size: int, eos_ids, spec: tuple) -> Grammar
 # --8<-- [start:hf]
 class ConstraintProcessor(LogitsProcessor):
     """The same constraint inside HF's generate (Chapter 1's engine): HF calls this before each
-    token with the ids so far, so the previous call's token is accepted first."""
+    token with the ids so far, so the previous call's token is accepted first. HF stops at the
+    grammar's EOS itself (SamplingParams.stops_on_eos)."""
 
-    def __init__(self, constraint, eos_ids):
-        self.constraint, self.eos_ids, self.n_seen = constraint, sorted(eos_ids), None
+    def __init__(self, constraint):
+        self.constraint, self.n_seen = constraint, None
 
     def __call__(self, input_ids, scores):
-        if self.n_seen is not None and input_ids.shape[1] > self.n_seen and not self.constraint.finished:
+        if self.n_seen is not None and input_ids.shape[1] > self.n_seen:
             self.constraint.accept(int(input_ids[0, -1]))
         self.n_seen = input_ids.shape[1]
         scores = scores.clone()
-        if self.constraint.finished:   # ignore_eos: past the grammar's end only EOS is sensible
-            keep = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-            keep[self.eos_ids] = True
-            return scores.masked_fill(~keep, float("-inf"))
         self.constraint.mask(scores[0])
         return scores
 
 
 def hf_processor(tokenizer, vocab_size: int, eos_ids, spec: tuple) -> ConstraintProcessor:
-    return ConstraintProcessor(make_constraint(tokenizer, vocab_size, eos_ids, spec), eos_ids)
+    return ConstraintProcessor(make_constraint(tokenizer, vocab_size, eos_ids, spec))
 # --8<-- [end:hf]
 
 

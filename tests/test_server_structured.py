@@ -190,3 +190,17 @@ def test_bad_structured_requests_are_400s_naming_the_field(http, name, body, par
 def test_tools_on_completions_are_refused(http):
     response = http.post("/v1/completions", json={"prompt": "hi", "tools": [WEATHER]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+def test_a_stream_holds_back_what_may_be_a_call():
+    from kit import structured_api as sa
+
+    hold = sa.HoldBack()
+    sent = [hold.feed(p) for p in ("Let me ", "check. <to", "ol_call>", '{"name": "f", "arguments": {"a": 1}}', "</tool_call>")]
+    assert "".join(sent) == "Let me check. " and sent[1] == "check. "
+    content, call = sa.parse_tool_call(hold.text)
+    assert content == "Let me check." and call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    plain = sa.HoldBack()
+    assert plain.feed("a <b") == "a <b" and plain.feed(" <") == " " and plain.rest() == "<"
+    assert sa.parse_tool_call("<tool_call>{not json}</tool_call>") is None
+    assert sa.parse_tool_call('<tool_call>{"name": "f", "arguments": {}') is None   # cut off by the budget

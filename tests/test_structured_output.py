@@ -153,6 +153,13 @@ def test_other_kinds_match_their_language(contracts, tiny_model_engine):
     assert result.finish_reason == "length" or isinstance(json.loads(result.text), dict)
 
 
+def test_the_grammar_ends_a_request_even_with_ignore_eos(contracts, tiny_model_engine, tiny_engine):
+    params = contracts.SamplingParams(structured={"choice": ["alpha", "beta"]}, ignore_eos=True)
+    for engine in (tiny_model_engine, tiny_engine):
+        result = engine.generate("Pick:", 32, params)
+        assert result.finish_reason == "stop" and result.text in ("alpha", "beta")
+
+
 def test_every_engine_gives_the_same_constrained_tokens(contracts, tiny_model_dir, tiny_engine, tiny_model_engine):
     """Chapter 1 (HF generate with a logits processor), 2 (our loop) and 6 (our model): token for token."""
     params = structured(contracts, SCHEMAS["nested"])
