@@ -26,6 +26,8 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 def requested_constraint(req) -> tuple[dict | None, str | None]:
     """({kind: value} for SamplingParams.structured, the field that asked for it), or (None, None).
     At most one field may ask: two constraints on one reply have no meaning."""
+    if getattr(req, "tool_choice", None) not in (None, "none") and not req.tools:
+        raise FieldError("tool_choice", "tool_choice needs tools: there is no function to call")
     asked = [name for name in ("response_format", "tools", *GUIDED) if _asks(req, name)]
     if len(asked) > 1:
         raise FieldError(asked[1], f"{asked[0]} and {asked[1]} both constrain the reply; send one of them")

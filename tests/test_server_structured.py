@@ -172,6 +172,7 @@ BAD = [
     ("tool_choice naming a missing function", {"tools": [WEATHER], "tool_choice": {
         "type": "function", "function": {"name": "launch"}}}, "tool_choice"),
     ("an unknown tool_choice", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice"),
     ("two constraints", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ("a bad regex", {"guided_regex": "a("}, "guided_regex"),
     ("an empty guided_choice", {"guided_choice": []}, "guided_choice"),
