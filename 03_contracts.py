@@ -10,9 +10,12 @@ and a benchmark can add up.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Literal
+
+from kit import plugins
 
 FinishReason = Literal["stop", "length"]
 
@@ -30,6 +33,11 @@ MIN_TEMPERATURE = 1e-5                 # a sampling temperature; logits / 1e-300
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 300                   # entries in one logit_bias
 MAX_TOP_LOGPROBS = 20
+# Structured output (Chapter 11): one constraint per request, each kind with its own text.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
+MAX_STRUCTURED_CHARS = 32_768          # a schema's JSON text, a regex or an EBNF grammar
+MAX_SCHEMA_DEPTH = 16                  # nesting of a schema's objects and lists
+MAX_CHOICES, MAX_CHOICE_CHARS = 64, 256
 
 
 # --8<-- [start:sampling-params]
@@ -51,6 +59,10 @@ class SamplingParams:
     presence_penalty: float = 0.0   # OpenAI: subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token occurs in the output
     logprobs: int | None = None     # None: off; k: the chosen token's log-probability and the k likeliest
+    # Chapter 11: the output must match this. A dict with one key, {"json_schema": dict or JSON text},
+    # {"json_object": True}, {"regex": str}, {"grammar": EBNF str} or {"choice": [str, ...]},
+    # kept as the pair (kind, text) (choice: a tuple of str); None: free text
+    structured: tuple[str, str | tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
@@ -82,6 +94,8 @@ class SamplingParams:
             raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters each, "
                              f"got one of {max(len(s) for s in self.stop)}")
         self._check_adjustments()
+        if self.structured is not None:
+            object.__setattr__(self, "structured", structured_spec(self.structured))
 
     def _check_types(self) -> None:
         # True is an int in Python, "0.5" would fail later, deep in torch, with a TypeError,
@@ -142,6 +156,11 @@ class SamplingParams:
                              f"(ids 0 to {vocab_size - 1})")
 
     @property
+    def stops_on_eos(self) -> bool:
+        """EOS ends the request, unless ignore_eos; a grammar's EOS always does (Chapter 11)."""
+        return not self.ignore_eos or self.structured is not None
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -161,6 +180,73 @@ def check_max_new_tokens(max_new_tokens) -> None:
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 # --8<-- [end:sampling-params]
+
+
+# --8<-- [start:structured]
+def structured_spec(structured) -> tuple[str, str | tuple[str, ...]]:
+    """A structured-output request as a hashable (kind, text) pair, bounded and checked to compile.
+
+    Compiling against a tokenizer happens in the engine (Chapter 11, 15_structured_output.py);
+    here the grammar is only parsed, so that a bad one is refused before any request runs.
+    """
+    if isinstance(structured, dict):
+        if len(structured) != 1 or next(iter(structured)) not in STRUCTURED_KINDS:
+            raise ValueError(f"structured takes exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(structured)}")
+        structured = next(iter(structured.items()))
+    if not (isinstance(structured, tuple) and len(structured) == 2 and structured[0] in STRUCTURED_KINDS):
+        raise ValueError(f"structured must be a dict such as {{'json_schema': {{...}}}}, got {structured!r}")
+    kind, value = structured
+    if kind == "json_object":
+        if value not in (True, ""):
+            raise ValueError(f"structured json_object must be True, got {value!r}")
+        value = ""
+    elif kind == "choice":
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+            raise ValueError("structured choice must be a non-empty list of strings")
+        if len(value) > MAX_CHOICES or any(not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS for c in value):
+            raise ValueError(f"structured choice takes 1 to {MAX_CHOICES} non-empty strings of at most "
+                             f"{MAX_CHOICE_CHARS} characters")
+        value = tuple(value)
+    else:
+        if kind in ("json_schema", "structural_tag"):
+            value = schema_text(value, f"structured {kind}")
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"structured {kind} must be a non-empty string, got {value!r}")
+        if len(value) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"structured {kind} may be at most {MAX_STRUCTURED_CHARS} characters, got {len(value)}")
+    plugins.plugin("structured_check")((kind, value))   # ValueError if it does not parse
+    return kind, value
+
+
+def schema_text(schema, name: str = "schema") -> str:
+    """A JSON Schema (a dict or its JSON text) as compact JSON text, its size and depth bounded."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"{name} may be at most {MAX_STRUCTURED_CHARS} characters, got {len(schema)}")
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(schema).__name__}")
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{name} is nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)   # key order kept: it is the output's
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} is not JSON: {exc}") from None
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise ValueError(f"{name} may be at most {MAX_STRUCTURED_CHARS} characters, got {len(text)}")
+    return text
+
+
+def json_depth(value, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
+    """How deep dicts and lists nest (stops counting past limit, so a hostile value costs little)."""
+    if limit <= 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((json_depth(v, limit - 1) for v in children), default=0)
+# --8<-- [end:structured]
 
 
 # --8<-- [start:metrics]
@@ -248,7 +334,8 @@ def main() -> None:
     print("\n[bad values are refused at construction]")
     for bad in ({"temperature": -1.0}, {"temperature": float("inf")}, {"top_p": 0.0}, {"top_p": 1.5},
                 {"top_k": -3}, {"max_tokens": 0}, {"seed": 2**70}, {"presence_penalty": 2.5},
-                {"repetition_penalty": 0.0}, {"logit_bias": {42: 101.0}}, {"logprobs": 21}):
+                {"repetition_penalty": 0.0}, {"logit_bias": {42: 101.0}}, {"logprobs": 21},
+                {"structured": {"json_schema": {"type": "nonsense"}}}, {"structured": {"regex": "a("}}):
         try:
             SamplingParams(**bad)
         except ValueError as exc:

@@ -179,7 +179,7 @@ class BaselineEngine(BaseOfflineEngine):
             max_new_tokens=max_new_tokens,
             bos_token_id=base.bos_token_id,
             pad_token_id=base.pad_token_id if base.pad_token_id is not None else self.tokenizer.eos_token_id,
-            eos_token_id=[] if params.ignore_eos else sorted(self.eos_token_ids),  # [] = never stop on EOS
+            eos_token_id=sorted(self.eos_token_ids) if params.stops_on_eos else [],  # [] = never stop on EOS
         )
         if params.is_greedy:
             config.do_sample = False
@@ -200,6 +200,9 @@ class BaselineEngine(BaseOfflineEngine):
             processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
         if params.presence_penalty or params.frequency_penalty:
             processors.append(hf_hooks.OutputPenalties(params, n_prompt))
+        if params.structured is not None:   # Chapter 11's grammar, last: it only removes tokens
+            processors.append(plugins.plugin("structured_output_hf")(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, params.structured))
         return LogitsProcessorList(processors)
     # --8<-- [end:generation-config]
 
@@ -218,7 +221,7 @@ class BaselineEngine(BaseOfflineEngine):
                 detok.add(token_id)
                 if detok.stopped:
                     break
-        ended_on_eos = bool(new_ids) and new_ids[-1] in self.eos_token_ids and not params.ignore_eos
+        ended_on_eos = bool(new_ids) and new_ids[-1] in self.eos_token_ids and params.stops_on_eos
         return GenerateResult(
             text=detok.text,
             output_ids=list(new_ids),

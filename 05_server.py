@@ -22,7 +22,8 @@ Defaults differ from OpenAI's on purpose: `temperature` defaults to 0 (greedy, s
 same request gives the same answer; OpenAI's default is 1) and `max_tokens` to 128,
 capped by what is left of the context window. Like vLLM we also accept `top_k`,
 `repetition_penalty` and `ignore_eos`. Logit bias, presence/frequency penalties and
-logprobs are honoured; tools, response_format, n > 1 and the like are a 400, never ignored.
+logprobs are honoured, and so are response_format, tools and vLLM's guided_* fields (Chapter 11:
+the reply is constrained to the format). n > 1 and the like are a 400, never ignored.
 One server, one model: `model` may be omitted or name it; any other is a 404.
 """
 
@@ -45,6 +46,7 @@ from starlette.concurrency import run_in_threadpool
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
+from kit import structured_api      # Chapter 11: response_format, guided_*, tools
 from kit.bridge import all_or_nothing, in_thread, run_ahead, until_disconnected   # blocking engine, asyncio server
 from kit.openai_api import APIError, ChatRequest, CompletionRequest, from_engine_error, sse
 
@@ -87,6 +89,9 @@ class OpenAIServer:
         api.check_request(req, self.model_name)
         messages = api.chat_messages(req.messages)
         params = api.sampling_params(req, SamplingParams)
+        tools = params.structured is not None and params.structured[0] == "structural_tag"   # Chapter 11
+        if tools:   # the model learns the functions from its system message
+            messages = structured_api.with_tools(messages, req.tools)
         limit, field = req.token_limit()
 
         def prepare_chat() -> list:   # template and tokenizer: in a thread, not on the event loop
@@ -95,9 +100,9 @@ class OpenAIServer:
         jobs = await run_in_threadpool(prepare_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return await self.stream(jobs[0], params, req, request, rid, created)
+            return await self.stream(jobs[0], params, req, request, rid, created, tools)
         [result] = await until_disconnected(request, self.generate(jobs, params))   # a hang-up stops it
-        return api.chat_completion(rid, created, self.model_name, result, self.engine.tokenizer)
+        return api.chat_completion(rid, created, self.model_name, result, self.engine.tokenizer, tools)
     # --8<-- [end:chat-endpoint]
 
     async def completions(self, req: CompletionRequest, request: Request):
@@ -215,12 +220,12 @@ class OpenAIServer:
 
     # --8<-- [start:stream]
     async def stream(self, job, params: SamplingParams, req: ChatRequest | CompletionRequest, request: Request,
-                     rid: str, created: int) -> StreamingResponse:
+                     rid: str, created: int, tools: bool = False) -> StreamingResponse:
         chat = isinstance(req, ChatRequest)
         chunk = api.chunk_maker("chat.completion.chunk" if chat else "text_completion", rid, created, chat,
                                 self.engine.tokenizer, self.model_name)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = self.events(job, params, chunk, chat, include_usage)
+        events = self.events(job, params, chunk, chat, include_usage, structured_api.HoldBack() if tools else None)
         # Waits for the engine's turn and the first token (4xx if refused); a hang-up meanwhile cancels it.
         first = await until_disconnected(request, anext(events))
 
@@ -233,8 +238,9 @@ class OpenAIServer:
         return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(events.aclose))
 
     async def events(self, job, params: SamplingParams, chunk: Callable[..., dict], chat: bool,
-                     include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: text as the engine produces it, holding the request's turn for the whole stream."""
+                     include_usage: bool, hold: structured_api.HoldBack | None = None) -> AsyncIterator[str]:
+        """Server-sent events: text as the engine produces it, holding the request's turn for the whole stream.
+        hold: the request offered tools, so text that may be a call waits until the end."""
         async with self.answers([job], params) as [produced]:
             try:  # before the first event an error can still be a proper 4xx response
                 item = await anext(produced, None)
@@ -245,7 +251,9 @@ class OpenAIServer:
             try:
                 while isinstance(item, str):
                     server_ops.piece_sent()
-                    yield sse(chunk({"content": item} if chat else item))
+                    piece = hold.feed(item) if hold else item
+                    if piece or not hold:
+                        yield sse(chunk({"content": piece} if chat else piece))
                     item = await anext(produced, None)
                 if item is None:
                     raise RuntimeError("the engine's stream ended without a GenerateResult")
@@ -256,7 +264,18 @@ class OpenAIServer:
                 yield sse("[DONE]")
                 return
             server_ops.answered([item])
-            final = chunk({} if chat else "", item.finish_reason, result=item)
+            finish = item.finish_reason
+            if hold:   # the call, whole, as OpenAI streams one: id and name, then the arguments
+                call = structured_api.parse_tool_call(hold.text)
+                if call:
+                    fn = call[1]["function"]
+                    yield sse(chunk({"tool_calls": [{"index": 0, "id": call[1]["id"], "type": "function",
+                                                     "function": {"name": fn["name"], "arguments": ""}}]}))
+                    yield sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": fn["arguments"]}}]}))
+                    finish = "tool_calls"
+                elif rest := hold.rest():
+                    yield sse(chunk({"content": rest}))
+            final = chunk({} if chat else "", finish, result=item)
             final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply
             yield sse(final)
             if include_usage:

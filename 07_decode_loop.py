@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kit import cli
+from kit import cli, plugins
 
 sampling = importlib.import_module("02_sampling")
 contracts = importlib.import_module("03_contracts")
@@ -71,6 +71,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     num_drafted: int = 0                          # guesses verified so far
     num_accepted: int = 0                         # ... and kept
+    constraint: object = None                     # Chapter 11: a grammar its output must follow
 
     @property
     def n_prompt(self) -> int:
@@ -97,6 +98,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     read from the logits as the model gave them.
     """
     adjusted = sampling.adjust_logits(logits, [r.params for r in requests], [r.history for r in requests])
+    adjusted = constrain(adjusted, requests)
     if all(r.params.is_greedy for r in requests):
         tokens = sampling.greedy(adjusted).tolist()   # one argmax and one device sync for the batch
     else:
@@ -109,6 +111,20 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             requests[i].logprobs.append(entry)
     return tokens
 # --8<-- [end:sample]
+
+
+# --8<-- [start:constrain]
+def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Chapter 11: in each constrained row, -inf for the tokens its grammar forbids next.
+    The other rows are left exactly as they were."""
+    rows = [i for i, r in enumerate(requests) if r.constraint is not None and r.finish_reason is None]
+    if not rows:
+        return logits
+    logits = logits.clone()   # never in place: the raw logits still give log-probabilities
+    for i in rows:
+        requests[i].constraint.mask(logits[i])
+    return logits
+# --8<-- [end:constrain]
 
 
 # --8<-- [start:output-processor]
@@ -125,10 +141,12 @@ class OutputProcessor:
                     arrival: float | None = None) -> Request:
         params.check_vocab(self.vocab_size)
         history = sampling.TokenHistory(prompt_ids, self.vocab_size, self.device) if params.adjusts_logits else None
+        constraint = None if params.structured is None else plugins.plugin("structured_output")(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, params.structured)   # Chapter 11
         return Request(next(self._ids), list(prompt_ids), params, budget,
                        engine04.IncrementalDetokenizer(self.tokenizer, params.stop),
                        sampling.make_generator(params.seed, self.device), history=history,
-                       logprobs=None if params.logprobs is None else [],
+                       logprobs=None if params.logprobs is None else [], constraint=constraint,
                        **({} if arrival is None else {"arrival": arrival}))
     # --8<-- [end:output-processor]
 
@@ -140,7 +158,9 @@ class OutputProcessor:
         if r.history is not None:
             r.history.add(token_id)
         piece = r.detok.add(token_id)
-        if r.detok.stopped or (token_id in self.eos_token_ids and not r.params.ignore_eos):
+        if r.constraint is not None and not r.constraint.accept(token_id):
+            raise RuntimeError(f"token {token_id} breaks the request's grammar: was its row masked?")
+        if r.detok.stopped or (token_id in self.eos_token_ids and r.params.stops_on_eos):
             r.finish_reason = "stop"        # the EOS / stop-completing token stays in new_ids
         elif len(r.new_ids) >= r.budget:
             r.finish_reason = "length"

@@ -111,11 +111,14 @@ class DraftModelProposer:
             requests[i].draft_ids = []
         for step in range(max((ks[i] for i in live), default=0)):
             live = [i for i in live if ks[i] > step]
+            if not live:
+                break
             rs = [requests[i] for i in live]
             starts = [self.computed[r.id] for r in rs]
             lengths = [r.num_tokens + len(r.draft_ids) - s for r, s in zip(rs, starts)]   # catch up, then 1
             logits = self.runner.forward(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])
             logits = sampling.adjust_logits(logits, [r.params for r in rs], [r.history for r in rs])
+            logits = decode_loop.constrain(logits, rs)           # a grammar's requests guess within it
             for i, r, row in zip(live, rs, logits):
                 self.computed[r.id] = r.num_tokens + len(r.draft_ids)
                 if r.params.is_greedy:
@@ -124,6 +127,13 @@ class DraftModelProposer:
                     q = sampling.probabilities(row, r.params)
                     r.draft_ids.append(int(torch.multinomial(q, 1, generator=r.generator)))
                     qs[i].append(q)
+                if r.constraint is not None:
+                    r.constraint.accept(r.draft_ids[-1])
+                    if r.constraint.finished:
+                        ks[i] = len(r.draft_ids)                # nothing may follow the grammar's end
+        for r in requests:
+            if r.constraint is not None and r.draft_ids:
+                r.constraint.rollback(len(r.draft_ids))
         return [torch.stack(q) if q else None for q in qs]
 
     def _room(self, r: Request, k: int) -> bool:
@@ -158,10 +168,13 @@ def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> 
     """
     drafts, params = r.draft_ids, r.params
     history = r.history.copy() if r.history is not None else None   # penalties see the kept guesses
+    grammar, walked = r.constraint, 0        # Chapter 11: so does a grammar, walked ahead, then back
     out: list[int] = []
     for j, row in enumerate(logits):
         if history is not None:
             row = sampling.adjust_logits(row.unsqueeze(0), [params], [history])[0]
+        if grammar is not None:
+            row = decode_loop.constrain(row.unsqueeze(0), [r])[0]   # a guess it forbids has p = 0
         guess = drafts[j] if j < len(drafts) else None
         if params.is_greedy:                        # keep the guess only if it is the argmax itself
             token = int(row.argmax())
@@ -182,6 +195,13 @@ def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> 
             break
         if history is not None:
             history.add(token)
+        if grammar is not None:
+            grammar.accept(token)
+            walked += 1
+            if grammar.finished:                    # the grammar's end: nothing may follow
+                break
+    if walked:
+        grammar.rollback(walked)                    # the output processor advances it, token by token
     return out
 # --8<-- [end:accept]
 

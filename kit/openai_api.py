@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kit import structured_api
+
 
 log = logging.getLogger("05_server")
 MAX_PROMPTS = 64   # prompts in one /v1/completions request: a list is work for many requests
@@ -55,10 +57,23 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str                            # JSON text, as the server sent it
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # see chat_messages()
-    role: Literal["system", "developer", "user", "assistant"]   # developer: OpenAI's newer system
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # developer: OpenAI's newer system
+    content: str | list[ContentPart] | None = None   # None only for an assistant's tool calls
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=32)] | None = None   # Chapter 11: an earlier call
+    tool_call_id: str | None = None           # a tool message: the call it answers
 
 
 class StreamOptions(_Strict):
@@ -70,7 +85,7 @@ class StreamOptions(_Strict):
 # value they are a 400 naming the field, not ignored. Fields that change nothing (user, metadata,
 # store, ...) are accepted, so that standard clients work.
 UNSUPPORTED = {
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
+    "functions": None, "function_call": None,
     "best_of": (None, 1), "echo": (None, False), "suffix": None, "audio": None, "modalities": None,
     "prediction": None, "web_search_options": None, "reasoning_effort": None, "verbosity": None,
     # vLLM's sampling, output and prompt extensions
@@ -78,14 +93,13 @@ UNSUPPORTED = {
     "use_beam_search": (None, False), "stop_token_ids": (None, []), "bad_words": (None, []),
     "allowed_token_ids": None, "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": None, "truncate_prompt_tokens": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "structured_outputs": None, "logits_processors": None, "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": None, "chat_template_kwargs": None,
 }
 # Chat-only fields sent to /v1/completions, and message fields the chat template has no place for.
-NOT_FOR_COMPLETIONS = {"max_completion_tokens": None, "top_logprobs": None, "messages": None}
-MESSAGE_UNSUPPORTED = {"name": None, "tool_calls": (None, []), "tool_call_id": None, "function_call": None,
-                       "audio": None}
+NOT_FOR_COMPLETIONS = {"max_completion_tokens": None, "top_logprobs": None, "messages": None,
+                       "tools": None, "tool_choice": None}
+MESSAGE_UNSUPPORTED = {"name": None, "function_call": None, "audio": None}
 
 
 def check_request(req: SamplingFields, model_name: str) -> None:
@@ -111,6 +125,40 @@ def refuse_unsupported(extra: dict, unsupported: dict = UNSUPPORTED, where: str 
             raise APIError(400, f"{where}{name} is not supported by this server", param=where.split("[")[0] or name)
 
 
+# Chapter 11: structured output (kit/structured_api.py turns these into SamplingParams.structured).
+class JSONSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    schema_: dict | None = Field(None, alias="schema")   # SamplingParams bounds its size and depth
+    description: str | None = None
+    strict: bool | None = None                # strict or not, the reply is held to the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict | None = None            # a JSON Schema for the arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class SamplingFields(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # extras checked below
     model: str | None = None                  # omitted, or the served model's id
@@ -129,6 +177,11 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=2.0)  # vLLM extension; 1 = off
     logit_bias: dict[str, float] | None = None   # JSON keys are strings: token id -> -100..100
+    response_format: ResponseFormat | None = None  # Chapter 11: JSON, or JSON matching a schema
+    guided_json: dict | str | None = None     # vLLM's extensions: the same, and a regex, a list, a grammar
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     def token_limit(self) -> tuple[int | None, str]:
         """The requested number of new tokens, and the field that asked for it."""
@@ -140,6 +193,8 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None              # the chosen tokens' log-probabilities ...
     top_logprobs: int | None = Field(None, ge=0, le=20)   # ... and this many alternatives each
+    tools: Annotated[list[Tool], Field(max_length=32)] | None = None   # functions the reply may call
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def token_limit(self) -> tuple[int | None, str]:
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
@@ -229,11 +284,17 @@ def sampling_params(req: SamplingFields, params_class: type):
     bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
     off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     try:
+        structured, field = structured_api.requested_constraint(req)
+    except structured_api.FieldError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
+    try:
         return params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
-                              logit_bias=bias, logprobs=logprobs,
+                              logit_bias=bias, logprobs=logprobs, structured=structured,
                               **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
     except ValueError as exc:   # SamplingParams' messages start with the field's name
+        if str(exc).startswith("structured"):   # ... which is not the request's: name the one that asked
+            raise APIError(400, f"{field}: {str(exc).removeprefix('structured ')}", param=field) from exc
         raise from_engine_error(exc) from exc
 
 
@@ -301,12 +362,20 @@ def chat_messages(messages: list) -> list[dict]:
     for i, m in enumerate(messages):
         refuse_unsupported(m.model_extra or {}, MESSAGE_UNSUPPORTED, where=f"messages[{i}].")
         content = m.content
-        if not isinstance(content, str):
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages[{i}]: only an assistant message has tool_calls", param="messages")
+        if content is None and not m.tool_calls:
+            raise APIError(400, f"messages[{i}].content is required", param="messages")
+        if content is None:
+            content = ""
+        elif not isinstance(content, str):
             refused = [p.type for p in content if p.type != "text" or p.text is None]
             if refused:
                 raise APIError(400, f"messages[{i}].content: only text parts are supported, got {refused[0]!r}",
                                param="messages")
             content = "".join(p.text for p in content)
+        # An earlier tool call goes back into the conversation as the text the model wrote for it.
+        content += "".join(structured_api.call_text(c.function.name, c.function.arguments) for c in m.tool_calls or ())
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
 
@@ -331,13 +400,18 @@ def usage(results) -> dict:
     return out
 
 
-def chat_completion(rid: str, created: int, model_name: str, result, tokenizer) -> dict:
-    """A chat answer; `metrics` (the engine's own measurements) is an extension of OpenAI's shape."""
+def chat_completion(rid: str, created: int, model_name: str, result, tokenizer, tools: bool = False) -> dict:
+    """A chat answer; `metrics` (the engine's own measurements) is an extension of OpenAI's shape.
+    tools: the request offered functions, so a call in the reply becomes `tool_calls`."""
+    message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
+    call = structured_api.parse_tool_call(result.text) if tools else None
+    if call:
+        message, finish = {"role": "assistant", "content": call[0], "tool_calls": [call[1]]}, "tool_calls"
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+        "choices": [{"index": 0, "message": message,
                      "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
-                     "finish_reason": result.finish_reason}],
+                     "finish_reason": finish}],
         "usage": usage([result]),
         "metrics": result.metrics.as_dict(),
     }

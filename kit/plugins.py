@@ -16,6 +16,10 @@ PLUGINS = {
     "speculator": "14_speculative_decoding:speculator",   # (method, k, draft model) -> engine -> Speculator
     "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
     "tensor_parallel": "18_tensor_parallel_engine:tensor_parallel",   # (model, size, device, quant) -> engine -> None
+    # Chapter 11: SamplingParams.structured, a (kind, text) pair
+    "structured_check": "15_structured_output:check_structured",   # spec -> None, or ValueError
+    "structured_output": "15_structured_output:make_constraint",   # (tokenizer, vocab, eos ids, spec) -> constraint
+    "structured_output_hf": "15_structured_output:hf_processor",   # the same, as an HF logits processor
 }
 
 

@@ -148,6 +148,29 @@ CAPTURES = [
     Capture("13_switches", [
         "python 13_continuous_batching_switches.py --threads 1 --plot book/assets/ch9-switches.png",
     ], timeout_s=3600),
+    # Chapter 11 (structured output)
+    Capture("15_structured_output", ["python 15_structured_output.py --threads 1"], timeout_s=600),
+    Capture("15_structured_output_demo", [
+        "python 15_structured_output_demo.py --threads 1 --plot book/assets/ch11-structured.png",
+    ], timeout_s=3600),
+    Capture("15_server", [
+        f"curl -s {URL}/v1/chat/completions {JSON} "
+        """-d '{"messages": [{"role": "user", "content": "Describe Paris as JSON."}], "max_tokens": 64, """
+        """"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": """
+        """{"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, """
+        """"required": ["city", "country"]}}}}' | python -m json.tool""",
+        f"curl -s {URL}/v1/chat/completions {JSON} "
+        """-d '{"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 64, """
+        """"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", """
+        """"properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, """
+        """"required": ["city", "unit"]}}}], "tool_choice": "required"}' | python -m json.tool""",
+        f"curl -s {URL}/v1/completions {JSON} "
+        """-d '{"prompt": "Is the sky green? Answer:", "max_tokens": 4, "guided_choice": ["yes", "no"]}' """
+        """| python -c 'import json, sys; print(json.load(sys.stdin)["choices"][0]["text"])'""",
+        f"curl -s -w '\\n(HTTP %{{http_code}})\\n' {URL}/v1/chat/completions {JSON} "
+        """-d '{"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema", """
+        """"json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}'""",
+    ], server=True),
     # Chapter 12 (quantisation)
     Capture("14_speculative_decoding", ["python 14_speculative_decoding.py"], timeout_s=600),
     Capture("14_speculative_trace", ["python 14_speculative_decoding_demo.py --part trace"], timeout_s=1200),

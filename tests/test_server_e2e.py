@@ -153,7 +153,9 @@ def test_openai_client_sees_refusals_of_bad_controls(client):
     for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logit_bias": {"1": 200}},
                 {"logit_bias": {"10000000": 1}}, {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2},
                 {"extra_body": {"repetition_penalty": 0}}, {"n": 2},
-                {"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+                {"response_format": {"type": "xml"}},
+                {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+                    "type": "function", "function": {"name": "g"}}}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=served(client), messages=hello, max_tokens=2, **bad)
 

@@ -231,3 +231,23 @@ def test_the_server_reports_drafted_and_accepted_tokens(draft):
         assert drafted == sum(details.values()) and accepted == details["accepted_prediction_tokens"]
         features = client.get("/engine/stats").json()["features"]
         assert features["speculative"] == "draft"
+
+
+@pytest.mark.parametrize("which", ["ngram", "draft"])
+def test_guesses_that_break_a_grammar_are_rejected(plain, ngram, draft, which):
+    """Chapter 11 with speculation: the same constrained tokens as without, and valid JSON."""
+    import json
+
+    engine = {"ngram": ngram, "draft": draft}[which]
+    engine.speculator.k = 4
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "tags"]}
+    for params in (SamplingParams(structured={"json_schema": schema}),
+                   SamplingParams(structured={"json_schema": schema}, temperature=0.9, seed=3)):
+        a, b = plain.generate(PROMPTS[0], 60, params), engine.generate(PROMPTS[0], 60, params)
+        assert set(json.loads(b.text)) == {"name", "tags"}
+        if params.is_greedy:
+            assert a.output_ids == b.output_ids
+    assert_idle(engine)
