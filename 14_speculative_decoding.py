@@ -45,9 +45,10 @@ Request = decode_loop.Request
 
 METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
-# Tokens one verification step may feed the model across all requests, guesses included. Past
-# it the forward stops being nearly free (measured in 14_speculative_decoding_demo.py): a busy
-# batch gets fewer guesses per request, and from 16 running requests on, none.
+# Tokens one verification step may feed the model across all requests, guesses included. With a
+# few dozen rows a CPU's matmuls already wait on arithmetic, not memory (Chapter 4), so a guess
+# costs about what a token does: a busy step guesses less (16 decoding requests one guess each,
+# 17 or more none; --concurrent in 14_speculative_decoding_demo.py measures it).
 SPECULATION_TOKEN_BUDGET = 32
 # An answer that copies its input: prompt lookup's best case (main()'s default prompt).
 COPYING_PROMPT = ("Repeat the first two sentences of this text word for word: A KV cache stores the keys and "
