@@ -38,6 +38,19 @@ def load_script(name: str):
     return importlib.import_module(name)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a busy 2-core machine the threads'
+    spin-waits make them many times slower: one thread for a test file that asks
+    (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`), restored afterwards."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def setup_mod():
     return load_script("01_setup")

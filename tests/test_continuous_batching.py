@@ -279,16 +279,7 @@ class Tracer:
         assert self.gate.wait(30)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a busy 2-core machine the threads'
-    spin-waits make them many times slower: one thread for this file, restored afterwards."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one torch thread for this file
 
 
 def make_engine(folder, **kwargs):

@@ -20,15 +20,7 @@ BS = 4                      # small blocks: short prompts span many of them
 GREEDY = contracts.SamplingParams(ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from a second thread; on a busy machine its spin-waits cost a lot."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one torch thread for this file
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,7 @@ PROMPTS = ["Hello, how are you today?", "The cat sat on the mat. The cat sat on 
            "Write a list: a, b, c, a, b,", "Summer", "Tell me about the sea and the sea again"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one torch thread for this file
 
 
 def make(folder, **kwargs):
