@@ -251,11 +251,9 @@ class Speculator:
 
 
 # --8<-- [start:options]
-def speculator(method: str | None, num_speculative_tokens: int = 4, draft_model: str | None = None):
-    """The engine's `speculative=` option, checked before any model loads: returns a function that
-    builds the Speculator for an engine (None: speculation off)."""
-    if method is None:
-        return None
+def speculator(method: str, num_speculative_tokens: int = 4, draft_model: str | None = None):
+    """The engine's `speculative=` option (the engine asks only when it is not None), checked before
+    any model loads: returns a function that builds the Speculator for an engine."""
     if method not in METHODS:
         raise ValueError(f"speculative must be one of {', '.join(METHODS)} (or None), got {method!r}")
     if not engine04.contracts.is_integer(num_speculative_tokens) or \
