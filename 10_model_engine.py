@@ -43,7 +43,7 @@ class ModelEngine(engine04.BaseOfflineEngine):
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
                  kv_memory: int = DEFAULT_KV_MEMORY, quant: str | None = None,
-                 group_size: int = 32, quant_head: str = "auto"):
+                 group_size: int = 32, quant_head: str = "auto", compile: bool = False):
         from transformers import AutoTokenizer   # the tokenizer only: no HF modelling code
 
         for name, value in (("max_num_seqs", max_num_seqs), ("kv_memory", kv_memory)):
@@ -57,7 +57,7 @@ class ModelEngine(engine04.BaseOfflineEngine):
             self.folder = Path(snapshot_download(str(self.folder), allow_patterns=["*.json", "*.safetensors"]))
         print(f"[engine] loading {self.model_name} into LlamaModel on {self.device} ...", flush=True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
-        model = runner10.load_model(self.folder, dtype, self.device, quant, group_size, quant_head)
+        model = runner10.load_model(self.folder, dtype, self.device, quant, group_size, quant_head, compile)
         self.runner = runner10.ModelRunner(model, kv=None)   # Chapter 6: a KV cache per batch, made in run()
         self.output = decode_loop.OutputProcessor(self.tokenizer, self._eos_ids(), model.config.vocab_size,
                                                   self.device)
@@ -89,7 +89,8 @@ class ModelEngine(engine04.BaseOfflineEngine):
 
     def features(self) -> dict:
         """What this engine was built with, for the server's page and /metrics."""
-        return {"engine": type(self).__name__, "quant": self.quant or "float32", "max_num_seqs": self.max_num_seqs}
+        return {"engine": type(self).__name__, "quant": self.quant or "float32", "max_num_seqs": self.max_num_seqs,
+                "compile": getattr(self.model, "compiled", False)}
 
     # --8<-- [start:new-request]
     def new_request(self, prompt: str | list[int], max_new_tokens: int,

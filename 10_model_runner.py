@@ -39,14 +39,18 @@ Request = decode_loop.Request
 
 # --8<-- [start:load]
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", quant: str | None = None,
-               group_size: int = 32, quant_head: str = "auto") -> model10.LlamaModel:
+               group_size: int = 32, quant_head: str = "auto", compile: bool = False) -> model10.LlamaModel:
     """The weights a runner computes with: the model's own, or in a weight format (Chapter 12)
-    swapped in module by module once they are loaded, as gpt-fast's quantize.py does."""
+    swapped in module by module once they are loaded, as gpt-fast's quantize.py does; with
+    compile=True, packed for their kernels and run by a compiled forward (Chapter 13)."""
     to_format = None
     if quant is not None:    # checked before the weights load: a typo costs nothing
         to_format = plugins.plugin("weight_format")(quant, group_size, quant_head)
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
     model = model10.LlamaModel.from_folder(folder, dtype, device)
-    return to_format(model) if to_format else model
+    model = to_format(model) if to_format else model
+    return plugins.plugin("compile")(model) if compile else model
 # --8<-- [end:load]
 
 

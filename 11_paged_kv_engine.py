@@ -31,16 +31,20 @@ class PagedEngine(engine10.ModelEngine):
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
                  kv_memory: int = paged.DEFAULT_KV_MEMORY, block_size: int = paged.DEFAULT_BLOCK_SIZE,
-                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto"):
+                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
+                 compile: bool = False):
         if not engine04.contracts.is_integer(block_size) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {block_size!r}")
-        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, quant, group_size, quant_head)
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, quant, group_size, quant_head, compile)
         m = self.model
         self.pool = paged.KVPool.from_memory(m.config, kv_memory, block_size, m.dtype, m.device)
         self.runner.kv = self.pool                # the runner's storage is now blocks, for good
         self.blocks = self.block_manager(self.pool.num_blocks, block_size)
         print(f"[engine] KV pool: {self.pool.num_blocks} blocks x {block_size} tokens = "
               f"{self.pool.num_blocks * block_size:,} tokens in {self.pool.nbytes / 2**20:.0f} MiB", flush=True)
+        if compile:   # Chapter 13: the kernels are built now, not during the first request
+            print("[engine] compiling the step (torch.compile) ...", flush=True)
+            print(f"[engine] compiled in {m.warm_up(self.pool):.0f} s", flush=True)
     # --8<-- [end:init]
 
     def new_request(self, prompt: str | list[int], max_new_tokens: int,

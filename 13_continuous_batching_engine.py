@@ -22,6 +22,7 @@ same name as the flag of 05_server.py and of both benchmarks:
     speculative, num_speculative_tokens, draft_model
                                     guess tokens and verify them in one step (Chapter 10)
     tensor_parallel_size            the model split over N processes (Chapter 14)
+    compile                         packed weights, fused ops, paged attention (Chapter 13)
 
     python 13_continuous_batching_engine.py --quant int8 --prefix-caching   # one prompt, as 04_engine.py
     python 13_continuous_batching_demo.py                # a mixed workload, traced step by step
@@ -66,7 +67,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
                  max_num_batched_tokens: int = 256, prefix_caching: bool = False,
                  quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, compile: bool = False):
         scheduler13.Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)   # before loading a model
         speculator = plugins.plugin("speculator")(speculative, num_speculative_tokens, draft_model) \
             if speculative is not None else None        # Chapter 10's, found by name (checked now)
@@ -75,10 +76,13 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         if prefix_caching:   # Chapter 8: admission shares a cached prefix; each step publishes full blocks
             self.block_manager = prefix12.PrefixCachingBlockManager
         parallel = None
+        if compile and tensor_parallel_size != 1:
+            raise ValueError("compile=True runs on one process; it is not combined with tensor_parallel_size > 1")
         if tensor_parallel_size != 1:   # Chapter 14, found by name: checked before the model loads
             parallel = plugins.plugin("tensor_parallel")(model_name, tensor_parallel_size, device, quant)
         # Chapters 6, 7 and 12: tokenizer, output processor, model runner on a KV pool, block manager
-        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head)
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head,
+                         compile)
         if parallel:
             parallel(self)              # the runner becomes rank 0 of tensor_parallel_size processes
         self.scheduler = scheduler13.Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)

@@ -121,7 +121,7 @@ QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft")
 ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_memory", "block_size",
                   "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens", "draft_model",
-                  "tensor_parallel_size")
+                  "tensor_parallel_size", "compile")
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -153,6 +153,9 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="the draft model, same tokenizer (default: this model on int4 weights)")
     g.add_argument("--tensor-parallel-size", type=integer(1, 64), default=None,
                    help="split the model over N processes: gloo on CPU, NCCL on N GPUs (Chapter 14)")
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="packed weights, fused ops and paged attention via torch.compile (Chapter 13); "
+                        "the first start compiles for a minute or two, later ones read inductor's cache")
 
 
 class _OnlyGroup:

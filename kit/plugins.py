@@ -15,6 +15,7 @@ import importlib
 PLUGINS = {
     "speculator": "14_speculative_decoding:speculator",   # (method, k, draft model) -> engine -> Speculator
     "weight_format": "16_quantization:weight_format",   # (quant, group_size, head) -> model -> model
+    "compile": "17_compile:compile_model",   # model -> the same model, compiled (Chapter 13)
     "tensor_parallel": "18_tensor_parallel_engine:tensor_parallel",   # (model, size, device, quant) -> engine -> None
     # Chapter 11: SamplingParams.structured, a (kind, text) pair
     "structured_check": "15_structured_output:check_structured",   # spec -> None, or ValueError

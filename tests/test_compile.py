@@ -1,0 +1,117 @@
+"""Chapter 13: compiled steps compute what eager steps compute.
+
+Paged decode attention is checked against Chapter 7's gather + SDPA on ragged rows in shuffled
+blocks, eager and compiled; the compiled model against Chapter 6's forward on prefills, decodes,
+mixed steps and speculative verifications; the engine with compile=True against compile=False,
+token for token, with preemption and prefix caching. Compilation is shared by the whole file
+(inductor caches its kernels on disk, so later runs pay for none of it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import load_script
+
+compile17 = load_script("17_compile")
+model10 = load_script("10_model")
+paged = load_script("11_paged_kv")
+cb = load_script("13_continuous_batching_engine")
+SamplingParams = load_script("03_contracts").SamplingParams
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def gathered_attention(q, k_pool, v_pool, tables, lens, block_size):
+    """The eager reference: copy each row's blocks into a rectangle, mask, SDPA."""
+    n, width = tables.shape
+    kv_heads, dim = k_pool.shape[1:]
+    k = k_pool.view(-1, block_size, kv_heads, dim)[tables].view(n, -1, kv_heads, dim).transpose(1, 2)
+    v = v_pool.view(-1, block_size, kv_heads, dim)[tables].view(n, -1, kv_heads, dim).transpose(1, 2)
+    mask = (torch.arange(width * block_size).view(1, -1) < lens.view(n, 1)).view(n, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+    return out.reshape(n, -1)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    eager = model10.LlamaModel.from_folder(tiny_model_dir)
+    return eager, compile17.compile_model(eager)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_paged_decode_attention_is_exact_on_ragged_rows(compiled):
+    torch.manual_seed(0)
+    block_size, num_blocks, heads, kv_heads, dim = 4, 40, 6, 2, 8
+    k_pool, v_pool = (torch.randn(num_blocks * block_size, kv_heads, dim) for _ in range(2))
+    lens = torch.tensor([1, 5, 13, 16, 9])        # one token, a block and one, exactly full, ...
+    tables = torch.randperm(num_blocks)[:5 * 4].view(5, 4)   # shuffled blocks, padded rows
+    q = torch.randn(5, heads, dim)
+    fn = compile17.Compiled(compile17.paged_decode_attention, enabled=compiled)
+    out = fn(q, k_pool, v_pool, tables, lens, block_size)
+    assert fn.compiled is not None or not compiled, "the compiled path fell back to eager"
+    torch.testing.assert_close(out, gathered_attention(q, k_pool, v_pool, tables, lens, block_size),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_model_matches_eager_on_every_kind_of_step(models):
+    """Prefill, ragged decodes, a prefill chunk beside decodes, a verification of 3 tokens:
+    two pools, one per model, fed the same steps."""
+    eager, compiled = models
+    pools = [paged.KVPool(eager.config, 32, 4) for _ in range(2)]
+    tables = [[5, 9, 2, 30, 31], [7, 1, 3, 29, 28], [11, 12, 13, 14, 15]]
+    steps = [([[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35]], [0, 0, 0], None),
+             ([[40], [41], [42]], [9, 3, 6], None),
+             ([[43], [44, 45, 46, 47], [48]], [10, 4, 7], None),
+             ([[49, 50, 51], [52], [53]], [11, 8, 8], [3, 1, 1])]
+    for ids, starts, num_logits in steps:
+        out = [m.forward(pool.batch(ids, tables, starts, "cpu"), pool, num_logits=num_logits)
+               for m, pool in zip((eager, compiled), pools)]
+        torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
+    assert all(op.compiled is not None for op in compiled.ops.values()), "an op fell back to eager"
+
+
+def test_compiled_model_on_chapter_6_rows_cache(models):
+    """A cache of rows (Chapter 6's engine) has no block tables: every part takes the copy path."""
+    eager, compiled = models
+    caches = [eager.new_cache(2, 32) for _ in range(2)]
+    for ids, starts in (([[1, 2, 3, 4], [5, 6]], [0, 0]), ([[7], [8]], [4, 2])):
+        out = [m.forward(model10.RaggedBatch.build(ids, [0, 1], starts, 32), cache)
+               for m, cache in zip((eager, compiled), caches)]
+        torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_failing_compiler_falls_back_to_eager(capsys):
+    op = compile17.Compiled(compile17.silu_mul)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler on this machine")
+
+    op.compiled = broken
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(op(x), compile17.silu_mul(x))
+    assert op.compiled is None and "falling back to eager" in capsys.readouterr().out
+
+
+def test_engine_with_compile_answers_as_without(tiny_model_dir, reference_prompts):
+    """Greedy, token for token, with a pool small enough to preempt and a shared prefix cached."""
+    system = "You are a careful assistant. Answer briefly. " * 3
+    texts = [system + p for p in reference_prompts[:6]] + reference_prompts[:2]
+    answers = []
+    for compile_ in (False, True):
+        engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=96 << 10, block_size=4,
+                                             prefix_caching=True, max_num_batched_tokens=48, compile=compile_)
+        assert engine.features()["compile"] is compile_
+        results = engine.generate_batch(texts, 16, SamplingParams(ignore_eos=True))
+        answers.append([r.output_ids for r in results])
+        assert not engine.scheduler.has_work() and not engine.blocks.tables   # every block given back
+        engine.close()
+    assert answers[1] == answers[0]
+
+
+def test_bad_compile_settings_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, compile="yes")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", compile=True, tensor_parallel_size=2)
