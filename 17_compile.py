@@ -278,12 +278,30 @@ def time_step(model, pool, batch, rounds: int) -> float:
     return best * 1e3
 
 
+# --8<-- [start:show-kernel]
+def generated_kernel(fn=silu_mul, *example) -> str:
+    """The C++ inductor writes for one fused op: what `torch.compile` turned Python into."""
+    from torch._inductor.utils import run_and_get_code
+
+    example = example or (torch.randn(4, 2 * 1536),)
+    _, sources = run_and_get_code(torch.compile(fn, dynamic=True), *example)
+    quotes = "'" * 3       # each kernel's source sits in an r-string of the generated module
+    kernels = [part.split(quotes)[0] for part in sources[0].split("r" + quotes)[1:]]
+    return "\n".join(kernels).strip()
+# --8<-- [end:show-kernel]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 13: eager vs compiled, on the same weights.")
     cli.add_model_flags(parser, device=False)
     parser.add_argument("--context", type=cli.integer(1, 4000), default=256, help="tokens each decode row has cached")
     parser.add_argument("--rounds", type=cli.integer(1, 100), default=5, help="timed steps per setting (best kept)")
+    parser.add_argument("--show-kernel", action="store_true", help="only print the C++ generated for SiLU·mul")
     args = parser.parse_args()
+    if args.show_kernel:
+        with torch.inference_mode():
+            print(generated_kernel())
+        return
     engine04 = importlib.import_module("04_engine")
     folder = setup.resolve_model(args.model)
     eager = model10.LlamaModel.from_folder(folder)

@@ -1,0 +1,147 @@
+"""17_compile_demo.py - Chapter 13: a decode step taken apart, eager against compiled, every weight format.
+
+For each weight format (float32, bf16, int8, int4) and batch size (1 and 32 rows, each with
+`--context` tokens cached) one decode step is timed whole, then its parts alone on the same
+shapes:
+
+    matmuls     every x @ Wᵀ of the step (4 per layer and the LM head), the format's kernel
+    attention   each layer's attention over the paged pool: eager copies the blocks into a
+                rectangle for SDPA, compiled reads them in place
+    the rest    the step minus both: norms, RoPE, SiLU·mul, residual adds, KV writes, Python
+
+beside the floor Chapter 4's roofline sets: the step's bytes (weights and the keys and values
+it reads) over this machine's measured memory bandwidth. Eager and compiled alternate, so a
+busy machine slows both alike.
+
+    python 17_compile_demo.py                        # the table (a few minutes: four formats)
+    python 17_compile_demo.py --formats none int4 --plot ch13-step.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+import torch
+
+from kit import cli
+from kit import threads as cpu_threads
+
+setup = importlib.import_module("01_setup")
+paged = importlib.import_module("11_paged_kv")
+runner10 = importlib.import_module("10_model_runner")
+compile17 = importlib.import_module("17_compile")
+
+
+def best_ms(fn, rounds: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+# --8<-- [start:parts]
+def matmuls(model, rows: int):
+    """The step's matmuls alone: the same weights, inputs of the same shapes."""
+    c = model.config
+    inputs = {n: torch.randn(rows, k) for n, k in (("qkv", c.hidden_size), ("o", c.num_heads * c.head_dim),
+                                                   ("gate_up", c.hidden_size), ("down", c.intermediate_size))}
+
+    def run():
+        for i in range(c.num_layers):
+            for name, x in inputs.items():
+                model.linear(x, f"model.layers.{i}.{name}")
+        model.linear(inputs["qkv"], "lm_head")
+    return run
+
+
+def attention(model, pool, batch):
+    """Every layer's attention alone, over the step's batch, as this model does it."""
+    c = model.config
+    q = torch.randn(len(batch.token_ids), c.num_heads, c.head_dim)
+    if isinstance(model, compile17.CompiledModel):
+        return lambda: [model.attention_of(i, q, batch, pool) for i in range(c.num_layers)]
+
+    def eager():
+        for i in range(c.num_layers):
+            k, v = pool.context(i, batch)
+            model.attend(q, k, v, batch)
+    return eager
+# --8<-- [end:parts]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Chapter 13: a decode step taken apart, eager vs compiled.")
+    cli.add_model_flags(parser, device=False)
+    parser.add_argument("--formats", nargs="+", choices=("none", "bf16", "int8", "int4"),
+                        default=["none", "bf16", "int8", "int4"], help="weight formats (none: float32)")
+    parser.add_argument("--batch-sizes", nargs="+", type=cli.integer(1, 64), default=[1, 32])
+    parser.add_argument("--context", type=cli.integer(1, 2000), default=256, help="tokens each row has cached")
+    parser.add_argument("--rounds", type=cli.integer(1, 50), default=5, help="timed repeats (best kept)")
+    parser.add_argument("--plot", metavar="PNG", help="draw the table as stacked bars")
+    args = parser.parse_args()
+    folder = setup.resolve_model(args.model)
+    roofline = importlib.import_module("08_roofline")
+    bandwidth = roofline.measure_bandwidth()
+    print(f"[{cpu_threads.cpu_name()}]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
+    print(f"{'format':<8}{'batch':>6}  {'mode':<9}{'step':>8}{'matmuls':>9}{'attention':>10}{'rest':>8}"
+          f"{'floor':>8}   ms")
+    rows = []
+    for quant in args.formats:
+        eager = runner10.load_model(folder, quant=None if quant == "none" else quant)
+        compiled = compile17.compile_model(eager)
+        c = eager.config
+        pool = paged.KVPool.from_memory(c, (max(args.batch_sizes) * (args.context + 32) + 64)
+                                        * c.kv_bytes_per_token(torch.float32))
+        compiled.warm_up(pool)
+        for b in args.batch_sizes:
+            batch = compile17.decode_batch(pool, b, args.context)
+            kv_bytes = b * (args.context + 1) * c.kv_bytes_per_token(torch.float32)
+            floor = (eager.weight_bytes + kv_bytes) / bandwidth * 1e3
+            for mode, model in (("eager", eager), ("compiled", compiled)):
+                step = best_ms(lambda: model.forward(batch, pool), args.rounds)
+                mm = best_ms(matmuls(model, b), args.rounds)
+                att = best_ms(attention(model, pool, batch), args.rounds)
+                rows.append({"format": quant.replace("none", "float32"), "batch": b, "mode": mode, "step": step,
+                             "matmuls": mm, "attention": att, "rest": max(step - mm - att, 0.0), "floor": floor})
+                r = rows[-1]
+                print(f"{r['format']:<8}{b:>6}  {mode:<9}{step:>8.1f}{mm:>9.1f}{att:>10.1f}{r['rest']:>8.1f}"
+                      f"{floor:>8.1f}", flush=True)
+        print(f"  {rows[-4]['format']}: compiled step {rows[-4]['step'] / rows[-3]['step']:.2f}x eager at batch "
+              f"{args.batch_sizes[0]}, {rows[-2]['step'] / rows[-1]['step']:.2f}x at batch {args.batch_sizes[-1]}")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        subset = [r for r in rows if r["batch"] == b]
+        labels = [f"{r['format']}\n{r['mode']}" for r in subset]
+        left = [0.0] * len(subset)
+        for part, colour in (("matmuls", "#4c72b0"), ("attention", "#dd8452"), ("rest", "#8c8c8c")):
+            values = [r[part] for r in subset]
+            ax.barh(labels, values, left=left, color=colour, label=part)
+            left = [a + v for a, v in zip(left, values)]
+        ax.scatter([r["floor"] for r in subset], labels, marker="|", s=400, color="black", label="roofline floor")
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per decode step")
+        ax.set_title(f"batch {b}")
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle("A decode step taken apart: eager vs compiled, per weight format")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"[plot] {path}")
+
+
+if __name__ == "__main__":
+    main()
