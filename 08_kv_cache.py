@@ -113,20 +113,32 @@ def decode_both(model, prompt_ids: torch.Tensor, steps: int,
 
 
 # --8<-- [start:work]
-def forward_flops(config, new_tokens: int, cached: int, logits: int = 1) -> int:
-    """Multiply-adds x 2 of one forward over `new_tokens` tokens after `cached` tokens already
-    in the cache, with `logits` rows through the LM head.
-
-    Weights: every new token meets every matrix of every layer once (2 FLOPs per weight).
-    Attention: new token i scores and mixes cached + i + 1 keys and values in every head
-    (QK^T and the weighted sum of V, head_dim multiply-adds each).
-    """
+def layer_matmul_weights(config) -> int:
+    """The weights of one layer's matrices: Q, K, V and output projections, and the MLP's three."""
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads, kv, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
-    per_layer = hidden * (heads + 2 * kv) * d + heads * d * hidden + 3 * hidden * config.intermediate_size
-    weights = 2 * new_tokens * config.num_hidden_layers * per_layer + 2 * logits * hidden * config.vocab_size
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return hidden * (heads + 2 * kv) * d + heads * d * hidden + 3 * hidden * config.intermediate_size
+
+
+def weight_flops(config, new_tokens: int, logits: int = 1) -> int:
+    """FLOPs of the weight matmuls: every new token meets every matrix of every layer once
+    (a multiply and an add per weight), and `logits` rows go through the LM head."""
+    return 2 * (new_tokens * config.num_hidden_layers * layer_matmul_weights(config)
+                + logits * config.hidden_size * config.vocab_size)
+
+
+def attention_flops(config, new_tokens: int, cached: int) -> int:
+    """FLOPs of attention itself: new token i scores and mixes cached + i + 1 keys and values
+    in every query head (QK^T, then the weighted sum of V: head_dim multiply-adds each)."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     keys_seen = new_tokens * cached + new_tokens * (new_tokens + 1) // 2   # causal: token i sees i + 1
-    return weights + 4 * config.num_hidden_layers * heads * d * keys_seen
+    return 4 * config.num_hidden_layers * config.num_attention_heads * d * keys_seen
+
+
+def forward_flops(config, new_tokens: int, cached: int, logits: int = 1) -> int:
+    """One forward over `new_tokens` tokens after `cached` tokens already in the cache."""
+    return weight_flops(config, new_tokens, logits) + attention_flops(config, new_tokens, cached)
 
 
 def step_flops(config, position: int, with_cache: bool) -> int:

@@ -28,6 +28,7 @@ from kit import cli
 
 setup = importlib.import_module("01_setup")
 decode_loop = importlib.import_module("07_decode_loop")   # one definition of the cache keyword
+kv = importlib.import_module("08_kv_cache")               # one count of a layer's matrices
 
 # --8<-- [start:llama3]
 # Published configs (the config.json of meta-llama/Meta-Llama-3-8B and Meta-Llama-3-70B on the
@@ -104,9 +105,8 @@ def human(nbytes: float) -> str:
 def weight_bytes(config, dtype: torch.dtype) -> int:
     """The weights' bytes from the config: embedding (and LM head unless tied), and per layer the
     attention projections, the MLP and two norms; the 1-D norms are negligible but counted."""
-    d, h, kv = head_dim(config), config.hidden_size, num_kv_heads(config)
-    per_layer = h * (config.num_attention_heads + 2 * kv) * d + config.num_attention_heads * d * h \
-        + 3 * h * config.intermediate_size + 2 * h
+    h = config.hidden_size
+    per_layer = kv.layer_matmul_weights(config) + 2 * h
     embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     return (config.num_hidden_layers * per_layer + embed + h) * torch.empty((), dtype=dtype).element_size()
 

@@ -95,3 +95,14 @@ def test_main_predicts_and_plots(tiny_model_dir, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "[limits]" in out and "[prediction]" in out and "memory-bound" in out and "% of roof" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matmul_bound_counts_the_flops_it_times(tiny_model_dir):
+    """Chapter 9's bound at the matmul peak counts exactly the FLOPs its timed matmuls do."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    bound = load_script("13_matmul_bound")
+    model = load_script("10_model").LlamaModel.from_folder(tiny_model_dir)
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        bound.matmuls_ms(model, tokens=5, heads=2)
+    assert counter.get_total_flops() == bound.matmul_flops(model, 5, 2)
