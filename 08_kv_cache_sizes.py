@@ -123,7 +123,7 @@ def print_formula(name: str, config, dtype: torch.dtype) -> int:
 def print_variants(config, dtype: torch.dtype, context: int) -> None:
     heads = config.num_attention_heads
     print(f"\n[attention designs]  {heads} query heads, {str(dtype).removeprefix('torch.')}, "
-          f"a {context:,}-token sequence")
+          f"one sequence of {context:,} tokens")
     print(f"  {'design':<14}{'KV heads':>9}{'query heads/KV head':>21}{'per token':>13}{'per sequence':>14}")
     for design, n in attention_variants(config).items():
         per_token = kv_bytes_per_token(config, dtype, kv_heads=n)
@@ -144,8 +144,8 @@ def print_contexts(models: dict[str, object]) -> None:
     longest = max(CONTEXTS)
     over = [f"{n} ({c.max_position_embeddings:,})" for n, c in models.items() if c.max_position_embeddings < longest]
     if over:
-        print(f"  longer than these configs accept: {', '.join(over)}; those cells price a long-context"
-              f" variant with the same layers and heads (Llama 3.1 reads 128k tokens with Llama 3's)")
+        print(f"  longer than these configs accept: {', '.join(over)};\n  those cells price a long-context"
+              f" variant with the same layers and heads (as Llama 3.1 is for Llama 3)")
 
 
 def main() -> None:

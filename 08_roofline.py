@@ -37,6 +37,9 @@ kv = importlib.import_module("08_kv_cache")              # forward_flops: the wo
 sizes = importlib.import_module("08_kv_cache_sizes")     # kv_bytes_per_token, weight_bytes
 
 BATCHES = (1, 8, 32)
+# A data-centre GPU for comparison, from its datasheet (NVIDIA H100 SXM: 3.35 TB/s of HBM3,
+# 989 TFLOP/s of dense bf16 matmul), not measured here.
+H100 = dict(bandwidth=3.35e12, peak=989e12)
 CONTEXT = 128          # tokens each sequence holds when its decode step is measured and priced
 
 
@@ -270,13 +273,18 @@ def main() -> None:
         print(f"  {batch:>6}{cost.flops / 1e9:>8.2f}{cost.bytes / 1e6:>10.0f}{cost.intensity:>11.2f}"
               f"{roof.bound(cost):>9}{floor * 1e3:>10.2f}{batch / floor:>18,.0f}")
     bend = bend_batch(roof, config, CONTEXT)
-    print(f"  batch 1 is memory-bound: {decode_step_cost(config, 1, CONTEXT).intensity:.2f} FLOP/byte, far below"
-          f" the ridge of {roof.ridge:.1f}. The roof bends at batch {bend}; past it every row adds its own"
-          f" FLOPs, and tokens/s levels off near {peak / per_token:,.0f}")
+    one = decode_step_cost(config, 1, CONTEXT)
+    print(f"  batch 1 is {roof.bound(one)}-bound: {one.intensity:.2f} FLOP/byte against a ridge of {roof.ridge:.1f}."
+          f" The roof bends at batch {bend}; past it every row adds its own FLOPs,\n  and tokens/s levels off"
+          f" near {peak / per_token:,.0f}")
     for context in (1024, 8192):
         b = bend_batch(roof, config, context)
         print(f"  at context {context:,}: bends at batch {b}" if b else
               f"  at context {context:,}: never bends (the KV reads grow with the batch as fast as the FLOPs)")
+    gpu, big = Roofline(**H100), sizes.as_config(sizes.LLAMA3_8B)
+    print(f"  on an H100 (datasheet: ridge {gpu.ridge:.0f} FLOP/byte), Llama-3-8B in bf16 bends at batch"
+          f" {bend_batch(gpu, big, CONTEXT, torch.bfloat16)} at context {CONTEXT};"
+          f" at context 2,048: {bend_batch(gpu, big, 2048, torch.bfloat16) or 'never'}")
     # --8<-- [end:predict]
     if args.no_steps:
         return

@@ -93,7 +93,7 @@ def test_main_predicts_and_plots(tiny_model_dir, tmp_path, monkeypatch, capsys):
                                      "--plot", str(plot)])
     roofline.main()
     out = capsys.readouterr().out
-    assert "[limits]" in out and "[prediction]" in out and "memory-bound" in out and "% of roof" in out
+    assert "[limits]" in out and "[prediction]" in out and "-bound: " in out and "% of roof" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
