@@ -268,8 +268,8 @@ def main() -> None:
         print(f"\n[growth]  a line fitted to the decode steps' times (median of pairwise slopes)")
         for label, (intercept, slope) in (("with cache", fit_c), ("without", fit_u)):
             print(f"  {label:<11} step = {intercept * 1e3:6.1f} ms + {slope * 1e6:7.1f} us x position")
-        for answer in (256, 1024, 4096):
-            last = n_prompt + answer - 1
+        for answer in (256, 1024, 4096) if len(decode) >= 16 and min(fit_c[1], fit_u[1]) > 0 else ():
+            last = n_prompt + answer - 1   # too few steps, or a slope below zero: too noisy to extrapolate
             if last <= context:
                 with_s, without_s = (predicted_seconds(f, n_prompt + 1, last) for f in (fit_c, fit_u))
                 print(f"  {answer:>5} tokens after this prompt, predicted: {with_s:8.1f} s with the cache,"
