@@ -275,8 +275,8 @@ def main() -> None:
     bend = bend_batch(roof, config, CONTEXT)
     one = decode_step_cost(config, 1, CONTEXT)
     print(f"  batch 1 is {roof.bound(one)}-bound: {one.intensity:.2f} FLOP/byte against a ridge of {roof.ridge:.1f}."
-          f" The roof bends at batch {bend}; past it every row adds its own FLOPs,\n  and tokens/s levels off"
-          f" near {peak / per_token:,.0f}")
+          f" The roof bends at batch {bend or 'never'}; past it every row adds its own FLOPs,\n  and tokens/s"
+          f" levels off near {peak / per_token:,.0f}")
     for context in (1024, 8192):
         b = bend_batch(roof, config, context)
         print(f"  at context {context:,}: bends at batch {b}" if b else
@@ -291,14 +291,13 @@ def main() -> None:
 
     engine = decode_loop.DecodeLoopEngine(args.model, device=str(device))
     prompt = context_prompt(engine.tokenizer, CONTEXT)
-    n = len(engine.tokenizer(prompt).input_ids)
-    new = 16
+    n_prompt, new = len(engine.tokenizer(prompt).input_ids), 16
     # --8<-- [start:points]
     points = [
-        ("HF generate (04), batch 1", decode_step_cost(config, 1, n + new // 2),
+        ("HF generate (04), batch 1", decode_step_cost(config, 1, n_prompt + new // 2),
          per_token_seconds(lambda *a: engine04.BaselineEngine.generate(engine, *a), prompt, new, args.repeats,
                            "HF generate")),
-        ("our decode loop (07), batch 1", decode_step_cost(config, 1, n + new // 2),
+        ("our decode loop (07), batch 1", decode_step_cost(config, 1, n_prompt + new // 2),
          per_token_seconds(engine.generate, prompt, new, args.repeats, "decode loop")),
         *[(f"decode step (07), batch {b}", decode_step_cost(config, b, CONTEXT),
            step_seconds(engine, b, CONTEXT, args.repeats)) for b in BATCHES[1:]],
