@@ -1,4 +1,4 @@
-"""08_kv_cache.py - what the KV cache buys, measured, and what it costs, computed.
+"""08_kv_cache.py - what the KV cache buys, measured, and the work it saves, counted.
 
 At every decode step the model needs the keys and values of *all* earlier tokens
 to attend over them. There are two ways to get them:
@@ -9,9 +9,9 @@ to attend over them. There are two ways to get them:
                       feed only the one new token: every step costs about the same
 
 This script decodes the same prompt both ways with greedy sampling, times every
-step, checks that both produce the same tokens, and plots latency against
-position. Then it computes the cache's size from the model's config and checks
-the formula against the bytes actually held in `past_key_values`.
+step, checks that both produce the same tokens, counts the FLOPs each step must do,
+fits a line to each path's step times and plots latency against position. What the
+cache costs in memory is 08_kv_cache_sizes.py's subject.
 
     python 08_kv_cache.py
     python 08_kv_cache.py --steps 120 --plot results/kv_cache.png --json results/kv_cache.json
@@ -112,23 +112,40 @@ def decode_both(model, prompt_ids: torch.Tensor, steps: int,
 # --8<-- [end:timed-decode]
 
 
-# --8<-- [start:size-formula]
-def kv_bytes_per_token(config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
-    """K and V, for every layer, for every KV head, head_dim numbers each, at dtype's width."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if kv_heads is None:
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    bytes_per_element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * bytes_per_element
-# --8<-- [end:size-formula]
+# --8<-- [start:work]
+def layer_matmul_weights(config) -> int:
+    """The weights of one layer's matrices: Q, K, V and output projections, and the MLP's three."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return hidden * (heads + 2 * kv) * d + heads * d * hidden + 3 * hidden * config.intermediate_size
 
 
-# --8<-- [start:measured]
-def measured_cache_bytes(cache: DynamicCache) -> tuple[int, int]:
-    """(bytes held in all layers' key and value tensors, tokens cached)."""
-    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return total, cache.get_seq_length()
-# --8<-- [end:measured]
+def weight_flops(config, new_tokens: int, logits: int = 1) -> int:
+    """FLOPs of the weight matmuls: every new token meets every matrix of every layer once
+    (a multiply and an add per weight), and `logits` rows go through the LM head."""
+    return 2 * (new_tokens * config.num_hidden_layers * layer_matmul_weights(config)
+                + logits * config.hidden_size * config.vocab_size)
+
+
+def attention_flops(config, new_tokens: int, cached: int) -> int:
+    """FLOPs of attention itself: new token i scores and mixes cached + i + 1 keys and values
+    in every query head (QK^T, then the weighted sum of V: head_dim multiply-adds each)."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    keys_seen = new_tokens * cached + new_tokens * (new_tokens + 1) // 2   # causal: token i sees i + 1
+    return 4 * config.num_hidden_layers * config.num_attention_heads * d * keys_seen
+
+
+def forward_flops(config, new_tokens: int, cached: int, logits: int = 1) -> int:
+    """One forward over `new_tokens` tokens after `cached` tokens already in the cache."""
+    return weight_flops(config, new_tokens, logits) + attention_flops(config, new_tokens, cached)
+
+
+def step_flops(config, position: int, with_cache: bool) -> int:
+    """A decode step that makes the token after `position` tokens: with a cache, one new token
+    over position - 1 cached ones; without, all `position` tokens from scratch."""
+    return forward_flops(config, 1, position - 1) if with_cache else forward_flops(config, position, 0)
+# --8<-- [end:work]
 
 
 def window_median(run: DecodeRun, position: int, width: int = 5) -> float:
@@ -142,12 +159,23 @@ def window_median(run: DecodeRun, position: int, width: int = 5) -> float:
     return statistics.median(run.step_seconds[first: first + width])
 
 
-def human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:,.1f} {unit}"
-        nbytes /= 1024
-    return ""
+# --8<-- [start:fit]
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the line through the points, Theil-Sen style: the median of the
+    slopes between every pair of points. A busy machine's slow outliers barely move a median,
+    where they would drag a least-squares fit."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    slope = statistics.median(slopes) if slopes else 0.0
+    return statistics.median(y - slope * x for x, y in zip(xs, ys)), slope
+
+
+def predicted_seconds(fit: tuple[float, float], first: int, last: int) -> float:
+    """The fitted step times summed over positions first..last: a line summed is a parabola."""
+    intercept, slope = fit
+    n = last - first + 1
+    return n * intercept + slope * (first + last) * n / 2
+# --8<-- [end:fit]
 
 
 def plot(cached: DecodeRun, uncached: DecodeRun, path: Path, title: str) -> None:
@@ -174,7 +202,7 @@ def plot(cached: DecodeRun, uncached: DecodeRun, path: Path, title: str) -> None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Decode with and without the KV cache; size the cache.")
+    parser = argparse.ArgumentParser(description="Decode with and without the KV cache: time, work, growth.")
     cli.add_model_flags(parser)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--steps", type=cli.integer(1, 100_000), default=128, help="tokens to decode each way")
@@ -204,43 +232,49 @@ def main() -> None:
     print(f"  text: {tokenizer.decode(cached.tokens[:24])!r} ...")
 
     # --8<-- [start:table]
-    width = min(5, max(1, args.steps - 1))
-    print(f"\n[step latency]  prefill: one step; decode rows: median of {width} decode steps around the"
-          f" position; total: the {args.steps - 1} decode steps summed")
-    print(f"  {'position':>8}  {'with cache':>11}  {'without':>11}  {'ratio':>6}")
-    prefill_c, prefill_u = cached.step_seconds[0], uncached.step_seconds[0]
-    print(f"  {'prefill':>8}  {prefill_c * 1e3:>8.1f} ms  {prefill_u * 1e3:>8.1f} ms  {prefill_u / prefill_c:>5.1f}x"
-          f"   (same work both ways: the whole prompt)")
+    config, width = model.config, min(5, max(1, args.steps - 1))
+    print(f"\n[step latency and work]  prefill: one step; decode rows: median of {width} decode steps around"
+          f" the position; work: FLOPs the step must do; total: the {args.steps - 1} decode steps summed")
+    print(f"  {'position':>8}  {'with cache':>11}  {'without':>11}  {'ratio':>6}"
+          f"  {'work with':>12}  {'without':>12}  {'ratio':>6}")
+
+    def row(label, with_s, without_s, with_flops, without_flops, note=""):
+        print(f"  {label:>8}  {with_s * 1e3:>8.1f} ms  {without_s * 1e3:>8.1f} ms  {without_s / with_s:>5.1f}x"
+              f"  {with_flops / 1e9:>7.2f} GFLOP  {without_flops / 1e9:>7.2f} GFLOP"
+              f"  {without_flops / with_flops:>5.1f}x{note}")
+
+    n_prompt = prompt_ids.shape[1]
+    prefill_flops = forward_flops(config, n_prompt, 0)
+    row("prefill", cached.step_seconds[0], uncached.step_seconds[0], prefill_flops, prefill_flops,
+        "   (the same work both ways: the whole prompt)")
     marks = sorted({p for p in (32, 64, 128, 192, 256) if p in cached.positions[1:]} | {cached.positions[-1]})
     for p in marks if args.steps > 1 else []:
-        with_c, without = window_median(cached, p, width), window_median(uncached, p, width)
-        print(f"  {p:>8}  {with_c * 1e3:>8.1f} ms  {without * 1e3:>8.1f} ms  {without / with_c:>5.1f}x")
-    total_c, total_u = sum(cached.step_seconds[1:]), sum(uncached.step_seconds[1:])
+        row(p, window_median(cached, p, width), window_median(uncached, p, width),
+            step_flops(config, p, True), step_flops(config, p, False))
+    decode = cached.positions[1:]
     if args.steps > 1:   # a sum carries every slow outlier that the medians above leave out
-        print(f"  {'decode':>8}  {total_c:>9.2f} s  {total_u:>9.2f} s  {total_u / total_c:>5.1f}x   (total)")
+        work_c = sum(step_flops(config, p, True) for p in decode)
+        work_u = sum(step_flops(config, p, False) for p in decode)
+        total_c, total_u = sum(cached.step_seconds[1:]), sum(uncached.step_seconds[1:])
+        print(f"  {'decode':>8}  {total_c:>9.2f} s  {total_u:>9.2f} s  {total_u / total_c:>5.1f}x"
+              f"  {work_c / 1e9:>7.1f} GFLOP  {work_u / 1e9:>7.1f} GFLOP  {work_u / work_c:>5.1f}x   (total)")
+        print(f"  arithmetic done per second: {work_c / total_c / 1e9:.1f} GFLOP/s with the cache,"
+              f" {work_u / total_u / 1e9:.1f} GFLOP/s without")
     # --8<-- [end:table]
-
-    config, dtype = model.config, next(model.parameters()).dtype
-    # --8<-- [start:check]
-    per_token = kv_bytes_per_token(config, dtype)
-    held, tokens_cached = measured_cache_bytes(cached.cache)
-    measured_per_token = held / tokens_cached / prompt_ids.shape[0]
-    # --8<-- [end:check]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    context = config.max_position_embeddings
-    full_mha = kv_bytes_per_token(config, dtype, kv_heads=config.num_attention_heads)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"\n[KV cache size]  {str(dtype).removeprefix('torch.')}")
-    print(f"  formula: 2 x {config.num_hidden_layers} layers x {kv_heads} KV heads x {head_dim} head_dim"
-          f" x {torch.empty((), dtype=dtype).element_size()} bytes = {per_token:,} bytes/token ({human(per_token)})")
-    print(f"  measured: {held:,} bytes in the cache / {tokens_cached} tokens = {measured_per_token:,.0f} bytes/token"
-          f"  -> {'matches' if measured_per_token == per_token else 'DIFFERS'}")
-    print(f"  full context ({context:,} tokens): {human(per_token * context)} per sequence"
-          f"  (model weights: {human(weights)})")
-    print(f"  with full multi-head attention ({config.num_attention_heads} KV heads instead of {kv_heads}):"
-          f" {human(full_mha)}/token, {human(full_mha * context)} at full context"
-          f" -> grouped-query attention saves {config.num_attention_heads / kv_heads:.0f}x")
+    if args.steps > 2:
+        # --8<-- [start:growth]
+        fit_c = fit_line(decode, cached.step_seconds[1:])
+        fit_u = fit_line(decode, uncached.step_seconds[1:])
+        print(f"\n[growth]  a line fitted to the decode steps' times (median of pairwise slopes)")
+        for label, (intercept, slope) in (("with cache", fit_c), ("without", fit_u)):
+            print(f"  {label:<11} step = {intercept * 1e3:6.1f} ms + {slope * 1e6:7.1f} us x position")
+        for answer in (256, 1024, 4096) if len(decode) >= 16 and min(fit_c[1], fit_u[1]) > 0 else ():
+            last = n_prompt + answer - 1   # too few steps, or a slope below zero: too noisy to extrapolate
+            if last <= context:
+                with_s, without_s = (predicted_seconds(f, n_prompt + 1, last) for f in (fit_c, fit_u))
+                print(f"  {answer:>5} tokens after this prompt, predicted: {with_s:8.1f} s with the cache,"
+                      f" {without_s:8.1f} s without ({without_s / with_s:.0f}x)")
+        # --8<-- [end:growth]
 
     if args.plot:
         plot(cached, uncached, Path(args.plot), f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
@@ -251,9 +285,8 @@ def main() -> None:
             "device": device.type, "prompt_tokens": prompt_ids.shape[1], "same_tokens": same,
             "with_cache": {"positions": cached.positions, "step_seconds": cached.step_seconds},
             "without_cache": {"positions": uncached.positions, "step_seconds": uncached.step_seconds},
-            "bytes_per_token_formula": per_token, "bytes_per_token_measured": measured_per_token,
-            "full_context_tokens": context, "full_context_bytes": per_token * context,
-            "full_mha_bytes_per_token": full_mha,
+            "with_cache_flops": [step_flops(model.config, p, True) for p in cached.positions[1:]],
+            "without_cache_flops": [step_flops(model.config, p, False) for p in uncached.positions[1:]],
         }, indent=2))
         print(f"json written to {args.json}")
 

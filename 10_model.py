@@ -97,7 +97,7 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Chapter 2's formula: keys and values, every layer, every KV head."""
+        """Chapter 3's formula (08_kv_cache_sizes.py): keys and values, every layer, every KV head."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 # --8<-- [end:config]
 

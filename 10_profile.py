@@ -2,9 +2,10 @@
 
 A decode step at batch 1 reads every weight once to make one token: its floor is
 weight bytes / memory bandwidth. At batch 32 the same bytes make 32 tokens, so the
-floor moves towards FLOPs / matmul speed. This measures both limits on the machine
-at hand (a big reduction for bandwidth, a big GEMM for FLOP/s) and times the parts of
-real decode steps of `ModelEngine` (its forward's optional `timer` hook):
+floor moves towards FLOPs / matmul speed: Chapter 4's roofline. This measures both
+limits on the machine at hand with Chapter 4's functions (a big reduction for bandwidth,
+a big GEMM for FLOP/s) and times the parts of real decode steps of `ModelEngine`
+(its forward's optional `timer` hook):
 
     embedding   token lookup and the RoPE angles
     attention   RMSNorm, fused QKV, RoPE, KV-cache write, SDPA, output projection (x layers)
@@ -30,6 +31,7 @@ from kit import cli
 engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
+roofline = importlib.import_module("08_roofline")   # Chapter 4: the machine's two limits, measured
 PARTS = ("embedding", "attention", "mlp", "lm_head", "sampling", "overhead")
 
 
@@ -55,21 +57,10 @@ class StepTimer:
 
 # --8<-- [start:limits]
 def machine_limits(device: torch.device, repeats: int = 3) -> tuple[float, float]:
-    """(memory read bandwidth in bytes/s, float32 matmul speed in FLOP/s), best of `repeats`."""
-    big = torch.ones(64 << 20, device=device)             # 256 MB: far beyond any cache
-    a = torch.randn(2048, 2048, device=device)
-    best_read, best_mm = float("inf"), float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        big.sum()
-        _sync(device)
-        best_read = min(best_read, time.perf_counter() - t)
-        t = time.perf_counter()
-        a @ a
-        _sync(device)
-        best_mm = min(best_mm, time.perf_counter() - t)
-    return big.numel() * big.element_size() / best_read, 2 * 2048 ** 3 / best_mm
+    """(memory read bandwidth in bytes/s, float32 matmul speed in FLOP/s), best of `repeats`:
+    the two roofs of Chapter 4, measured by its functions."""
+    return (roofline.measure_bandwidth(device, repeats=repeats),
+            roofline.measure_matmul_peak(device, torch.float32, repeats=repeats))
 # --8<-- [end:limits]
 
 

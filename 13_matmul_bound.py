@@ -1,11 +1,14 @@
-"""13_matmul_bound.py - how fast could any schedule run the mixed workload on these matmuls?
+"""13_matmul_bound.py - how fast could this schedule run the mixed workload on these matmuls?
 
 Continuous batching decides which tokens share a step; it cannot make a step's matrix
 multiplies cheaper. So the matmuls alone bound what it can reach: run the workload once,
 note every step's shape (tokens in the forward, sequences that sample), then time just the
 weight matmuls of each shape and add them up. Attention, the KV gather, sampling and Python
-all count as free in that sum, so no scheduler, attention kernel or leaner loop on these
-weights and this GEMM can beat the bound.
+all count as free in that sum, so no attention kernel or leaner loop on these weights and
+this GEMM can beat the bound *with these step shapes*. A different schedule (a larger token
+budget, say) makes different shapes, and larger matmuls run faster per FLOP. The bound no
+schedule can beat is the workload's weight FLOPs, the same whatever the shapes, at the
+machine's matmul peak measured as in Chapter 4 (08_roofline.py).
 
     python 13_matmul_bound.py                       # the 32-request mixed workload, all at once
     python 13_matmul_bound.py --requests 8          # a quicker look
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -23,6 +27,8 @@ from kit import cli, workloads
 
 engine04 = importlib.import_module("04_engine")
 cb = importlib.import_module("13_continuous_batching_engine")
+kv = importlib.import_module("08_kv_cache")              # Chapter 3: the FLOPs of the weight matmuls
+roofline = importlib.import_module("08_roofline")        # Chapter 4: the machine's matmul peak
 
 
 # --8<-- [start:matmuls]
@@ -41,6 +47,15 @@ def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
         model.linear(last, "lm_head")
     return (time.perf_counter() - t0) * 1e3
 # --8<-- [end:matmuls]
+
+
+def matmul_flops(model, tokens: int = 1, heads: int = 1) -> int:
+    """The FLOPs matmuls_ms times, counted as Chapter 3 counts them (from Chapter 6's config)."""
+    c = model.config
+    return kv.weight_flops(SimpleNamespace(num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                                           num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                           hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                           vocab_size=c.vocab_size), tokens, heads)
 
 
 def main() -> None:
@@ -73,12 +88,18 @@ def main() -> None:
             matmuls_ms(engine.model, *shape)                      # warm
             cost[shape] = min(matmuls_ms(engine.model, *shape) for _ in range(5))   # a bound: the fastest
     bound = sum(cost[s] for s in shapes) / 1e3
+    # --8<-- [start:peak]
+    peak = roofline.measure_matmul_peak(torch.device("cpu"), label="matmul peak, float32 GEMM")
+    flops_bound = sum(matmul_flops(engine.model, *s) for s in shapes) / peak   # any schedule's
+    # --8<-- [end:peak]
     engine.close()
 
     print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {torch.get_num_threads()} CPU threads\n")
     print(f"  {'':<34}{'seconds':>9}{'tokens/s':>10}")
     print(f"  {'continuous batching, measured':<34}{wall:>9.1f}{tokens / wall:>10.1f}")
     print(f"  {'the same steps, matmuls alone':<34}{bound:>9.1f}{tokens / bound:>10.1f}")
+    print(f"  {'their FLOPs at the matmul peak':<34}{flops_bound:>9.1f}{tokens / flops_bound:>10.1f}"
+          f"   ({peak / 1e9:.0f} GFLOP/s, as in Chapter 4)")
     print(f"\n  {'tokens in the step':<20}{'steps':>7}{'matmul seconds':>16}")
     buckets = {"1 to 7": [0, 0.0], "8 to 31": [0, 0.0], "32 to 63": [0, 0.0], "64 and more": [0, 0.0]}
     for s in shapes:

@@ -90,7 +90,12 @@ CAPTURES = [
         "python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 07_decode_loop:DecodeLoopEngine"
         " --num-prompts 8 --runs 2 --max-new-tokens 32 --ignore-eos --plot book/assets/ch2-07-vs-baseline.png",
     ], timeout_s=1800),
-    Capture("08_kv_cache", ["python 08_kv_cache.py --plot book/assets/ch2-kv-cache.png"], timeout_s=1800),
+    # Chapter 3 (the KV cache) and Chapter 4 (where the time goes)
+    Capture("08_kv_cache", [   # one thread: on the shared capture machine two threads mostly wait
+        "OMP_NUM_THREADS=1 python 08_kv_cache.py --steps 96 --plot book/assets/ch3-kv-cache.png"], timeout_s=3600),
+    Capture("08_kv_cache_sizes", ["python 08_kv_cache_sizes.py"], timeout_s=600),
+    Capture("08_roofline", [   # one thread: on the shared capture machine two threads mostly wait
+        "python 08_roofline.py --threads 1 --repeats 9 --plot book/assets/ch4-roofline.png"], timeout_s=1800),
     Capture("09_static_batching", [
         "python 09_static_batching.py --sizes 1 2 4 8 16 --max-new-tokens 16 --plot book/assets/ch5-static-batching.png",
     ], timeout_s=1800),

@@ -59,6 +59,50 @@ def test_every_numbered_script_is_in_the_book():
     assert not missing, f"scripts no page includes a section of: {missing}"
 
 
+def test_every_numbered_script_is_in_its_chapter():
+    """The chapter table of tests/test_layout.py (`book_chapter`) is the book's: each script has a
+    section included by a page of its chapter's folder."""
+    from test_layout import book_chapter
+
+    homes: dict[str, set[int]] = {}
+    for page, file, section in includes():
+        folder = page.relative_to(BOOK).parts[0]
+        if section and folder.startswith("chapter"):
+            homes.setdefault(Path(file).name, set()).add(int(folder.removeprefix("chapter")))
+    wrong = [f"{s}: Chapter {book_chapter(s[:-3])}, but included only from chapters {sorted(homes.get(s, ()))}"
+             for s in sorted(p.name for p in REPO_ROOT.glob("[0-9][0-9]_*.py"))
+             if book_chapter(s[:-3]) not in homes.get(s, set())]
+    assert not wrong, "\n".join(wrong)
+
+
+CHAPTER_ROW = re.compile(r"^\|\s*(\d+)\s+—")
+NAV_CHAPTER = re.compile(r'^\s*- "Chapter (\d+) —.*":\s*$', re.MULTILINE)
+
+
+def test_index_table_and_nav_list_the_chapters_in_order():
+    """The home page's table says which chapter each script belongs to, and agrees with
+    `book_chapter`; the table and the site's navigation list chapters in rising order."""
+    from test_layout import book_chapter
+
+    chapter, seen, wrong = None, [], []
+    for line in (BOOK / "index.md").read_text().splitlines():
+        if not line.startswith("|"):
+            continue
+        if m := CHAPTER_ROW.match(line):
+            chapter = int(m.group(1))
+            seen.append(chapter)
+        for script in re.findall(r"`(\d\d_\w+)\.py`", line):
+            if chapter is not None and book_chapter(script) != chapter:
+                wrong.append(f"{script}.py listed under Chapter {chapter}, but it is Chapter {book_chapter(script)}")
+        for folder in re.findall(r"\]\(chapter(\d+)/", line):
+            if chapter is not None and int(folder) != chapter:
+                wrong.append(f"a link to chapter{folder}/ in the row of Chapter {chapter}")
+    assert seen == sorted(set(seen)) and seen[:4] == [1, 2, 3, 4], seen
+    assert not wrong, "\n".join(wrong)
+    nav = [int(n) for n in NAV_CHAPTER.findall((REPO_ROOT / "mkdocs.yml").read_text())]
+    assert nav == sorted(set(nav)) and nav == seen, (nav, seen)
+
+
 def test_snippet_parser_reads_both_forms():
     text = '```python\n--8<-- "04_engine.py:interface"\n```\n```text\n--8<-- "book/outputs/04_engine.txt"\n```\n'
     assert [(m["file"], m["section"]) for m in SNIPPET.finditer(text)] == [

@@ -1,4 +1,5 @@
-"""08_kv_cache.py: the cache-size formula, and the cache changing speed but not tokens."""
+"""Chapter 3: the cache changing speed but not tokens (08_kv_cache.py), the work each step does,
+and the cache-size formula checked against real caches (08_kv_cache_sizes.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from conftest import load_script
 
 kv = load_script("08_kv_cache")
+sizes = load_script("08_kv_cache_sizes")
 setup = load_script("01_setup")
 
 
@@ -31,10 +33,10 @@ def decode(model, prompt_ids, steps):
 def test_formula_matches_the_bytes_held_in_the_cache(tiny, runs):
     _, model, prompt_ids = tiny
     cached, _ = runs
-    held, tokens_cached = kv.measured_cache_bytes(cached.cache)
+    held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
     # The last generated token is never fed back, so it is not in the cache.
     assert tokens_cached == prompt_ids.shape[1] + len(cached.tokens) - 1
-    per_token = kv.kv_bytes_per_token(model.config, torch.float32)
+    per_token = sizes.kv_bytes_per_token(model.config, torch.float32)
     # tiny config: 2 layers, 2 KV heads, head_dim 64/4 = 16, float32
     assert per_token == 2 * 2 * 2 * 16 * 4
     assert held == per_token * tokens_cached
@@ -42,18 +44,18 @@ def test_formula_matches_the_bytes_held_in_the_cache(tiny, runs):
 
 def test_formula_scales_with_dtype_and_heads(tiny):
     _, model, _ = tiny
-    fp32 = kv.kv_bytes_per_token(model.config, torch.float32)
-    assert kv.kv_bytes_per_token(model.config, torch.bfloat16) * 2 == fp32
+    fp32 = sizes.kv_bytes_per_token(model.config, torch.float32)
+    assert sizes.kv_bytes_per_token(model.config, torch.bfloat16) * 2 == fp32
     # full multi-head attention: 4 KV heads instead of 2 doubles the cache
-    assert kv.kv_bytes_per_token(model.config, torch.float32, kv_heads=4) == 2 * fp32
+    assert sizes.kv_bytes_per_token(model.config, torch.float32, kv_heads=4) == 2 * fp32
 
 
 def test_measured_bytes_follow_the_cache_dtype(tiny_model_dir, tiny):
     _, _, prompt_ids = tiny
     _, half = setup.load_model(str(tiny_model_dir), device=torch.device("cpu"), dtype=torch.bfloat16)
     cached, _ = decode(half, prompt_ids, steps=3)
-    held, tokens_cached = kv.measured_cache_bytes(cached.cache)
-    assert held == kv.kv_bytes_per_token(half.config, torch.bfloat16) * tokens_cached
+    held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
+    assert held == sizes.kv_bytes_per_token(half.config, torch.bfloat16) * tokens_cached
 
 
 def test_cache_does_not_change_the_greedy_tokens(runs):
@@ -94,9 +96,9 @@ def test_repeated_timing_redoes_the_same_step(tiny, runs):
     _, model, prompt_ids = tiny
     cached, uncached = kv.decode_both(model, prompt_ids, steps=5, repeats=3)
     assert cached.tokens == uncached.tokens == runs[0].tokens[:5]
-    held, tokens_cached = kv.measured_cache_bytes(cached.cache)
+    held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
     assert tokens_cached == prompt_ids.shape[1] + 4
-    assert held == kv.kv_bytes_per_token(model.config, torch.float32) * tokens_cached
+    assert held == sizes.kv_bytes_per_token(model.config, torch.float32) * tokens_cached
     assert len(cached.step_seconds) == len(uncached.step_seconds) == 5
 
 
@@ -117,3 +119,104 @@ def test_main_writes_a_plot_only_when_asked(tiny_model_dir, tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert "plot written" not in out and not list(tmp_path.rglob("*.png"))
     assert "prefill" in out and "median of 5 decode steps" in out and "decode" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# What the cache costs: 08_kv_cache_sizes.py
+# ---------------------------------------------------------------------------------------------
+
+def test_bytes_per_token_equal_the_tensors_of_a_cache_the_model_fills(tiny):
+    _, model, prompt_ids = tiny
+    held, tokens = sizes.measured_cache_bytes(sizes.filled_cache(model, prompt_ids))
+    assert tokens == prompt_ids.shape[1]
+    assert held == sizes.kv_bytes_per_token(model.config, torch.float32) * tokens
+    # and one layer's key tensor has exactly the shape the formula multiplies out
+    layer = sizes.filled_cache(model, prompt_ids).layers[0]
+    assert tuple(layer.keys.shape) == (1, 2, tokens, 16) == tuple(layer.values.shape)
+
+
+def test_attention_designs_divide_the_cache_by_the_group_size(tiny):
+    _, model, _ = tiny
+    designs = sizes.attention_variants(model.config)   # tiny: 4 query heads, 2 KV heads
+    assert designs == {"multi-head": 4, "grouped-query": 2, "multi-query": 1}
+    mha, gqa, mqa = (sizes.kv_bytes_per_token(model.config, torch.float32, kv_heads=n) for n in designs.values())
+    assert mha == 2 * gqa == 4 * mqa
+
+
+def test_llama3_configs_give_the_published_sizes():
+    big, bigger = sizes.as_config(sizes.LLAMA3_8B), sizes.as_config(sizes.LLAMA3_70B)
+    # 2 x layers x 8 KV heads x 128 x 2 bytes: 128 KiB and 320 KiB per token in bf16
+    assert sizes.kv_bytes_per_token(big, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert sizes.kv_bytes_per_token(bigger, torch.bfloat16) == 320 * 1024
+    assert sizes.kv_bytes_per_token(big, torch.int8) * 4 == sizes.kv_bytes_per_token(big, torch.float32)
+    # the weights from the same fields: the published parameter counts, exactly
+    assert sizes.weight_bytes(big, torch.bfloat16) == 2 * 8_030_261_248
+    assert sizes.weight_bytes(bigger, torch.bfloat16) == 2 * 70_553_706_496
+
+
+def test_weight_bytes_from_the_config_equal_the_loaded_weights(tiny):
+    _, model, _ = tiny
+    loaded = sum(p.numel() * p.element_size() for p in model.parameters())   # a tied head counts once
+    assert sizes.weight_bytes(model.config, torch.float32) == loaded
+
+
+def test_sizes_main_prints_the_check_and_the_tables(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["08_kv_cache_sizes.py", "--model", str(tiny_model_dir), "--device", "cpu"])
+    sizes.main()
+    out = capsys.readouterr().out
+    assert "-> matches" in out and "multi-query" in out and "Llama-3-70B" in out and "128k tokens" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# The work a step does, counted
+# ---------------------------------------------------------------------------------------------
+
+def test_forward_flops_by_hand(tiny):
+    _, model, _ = tiny
+    c = model.config        # hidden 64, MLP 128, 2 layers, 4 heads, 2 KV heads, head_dim 16
+    per_layer = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 128
+    weights = 2 * 2 * per_layer + 2 * 64 * c.vocab_size
+    # one new token after 10 cached ones attends over 11 keys: 4 FLOPs per head_dim per key per head
+    assert kv.forward_flops(c, 1, 10) == weights + 4 * 2 * 4 * 16 * 11
+    # three tokens from scratch, causal: 1 + 2 + 3 keys; the LM head still on one row
+    assert kv.forward_flops(c, 3, 0) == 3 * 2 * 2 * per_layer + 2 * 64 * c.vocab_size + 4 * 2 * 4 * 16 * 6
+    assert kv.step_flops(c, 11, with_cache=True) == kv.forward_flops(c, 1, 10)
+    assert kv.step_flops(c, 11, with_cache=False) == kv.forward_flops(c, 11, 0)
+
+
+def test_forward_flops_equal_what_torch_counts(tiny_model_dir, tiny):
+    """torch's FLOP counter, on a decode step of the eager model (attention as plain matmuls)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    _, _, prompt_ids = tiny
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    cache = sizes.filled_cache(eager, prompt_ids)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        kv.step_with_cache(eager, prompt_ids[:, -1:], cache)
+    assert counter.get_total_flops() == kv.forward_flops(eager.config, 1, prompt_ids.shape[1])
+
+
+def test_without_the_cache_each_step_redoes_every_token(tiny):
+    _, model, _ = tiny
+    c = model.config
+    attention_per_key = 4 * 2 * 4 * 16
+    weights_per_token = kv.forward_flops(c, 2, 0) - kv.forward_flops(c, 1, 0) - 2 * attention_per_key
+    with_cache = [kv.step_flops(c, p, True) for p in range(2, 50)]
+    without = [kv.step_flops(c, p, False) for p in range(2, 50)]
+    step_up = [b - a for a, b in zip(with_cache, with_cache[1:])]
+    step_up_without = [b - a for a, b in zip(without, without[1:])]
+    # with the cache a step one position later reads one more key, nothing else
+    assert set(step_up) == {attention_per_key}
+    # without it, a step one position later redoes one more token through every weight, and its
+    # attention grows with the position: the per-step cost climbs, the total is a parabola
+    assert step_up_without == [weights_per_token + attention_per_key * (p + 1) for p in range(2, 49)]
+
+
+def test_fit_line_ignores_outliers_and_sums_to_a_parabola():
+    xs = list(range(10, 40))
+    ys = [2.0 + 0.5 * x for x in xs]
+    ys[3], ys[17] = 500.0, 900.0                      # a busy machine's two slow steps
+    intercept, slope = kv.fit_line(xs, ys)
+    assert slope == pytest.approx(0.5) and intercept == pytest.approx(2.0)
+    assert kv.predicted_seconds((2.0, 0.5), 1, 4) == pytest.approx(sum(2.0 + 0.5 * x for x in range(1, 5)))

@@ -9,7 +9,8 @@ including inside functions, whose target is one of those modules.
 The rules (README, "Layout: where things live"):
 
 - no import loops among these modules;
-- chapter NN imports only numbered scripts numbered <= NN (and `kit`);
+- a script imports only numbered scripts of its own or earlier chapters (and `kit`); the
+  chapter of a script is `book_chapter(name)` below, the table the book's index states;
 - `kit` imports no numbered script;
 - no module-level `__getattr__` (PEP 562 shims hide where things live);
 - every numbered script defines its own `main()` and ends with the
@@ -58,10 +59,31 @@ class Module:
         return NUMBERED.match(self.name) is not None
 
 
+# The book's chapter of each numbered script. Script numbers rise with chapter order but are not
+# chapter numbers: 01-06 are all Chapter 1, 07 is Chapter 2, number 08 holds two chapters told
+# apart by name (the KV cache, then the roofline), and from 09 on script NN is Chapter NN - 4.
+SHARED_NUMBER = {"08_kv_cache": 3, "08_roofline": 4}
+
+
+def book_chapter(name: str) -> int:
+    """The chapter of the book that teaches script `name` ('08_roofline' -> 4, '13_scheduler' -> 9)."""
+    number = int(name[:2])
+    if number <= 6:
+        return 1
+    if number == 7:
+        return 2
+    if number == 8:
+        for prefix, chapter in SHARED_NUMBER.items():
+            if name == prefix or name.startswith(prefix + "_"):
+                return chapter
+        raise ValueError(f"{name}: a script numbered 08 must start with one of {sorted(SHARED_NUMBER)}")
+    return number - 4
+
+
 def chapter_number(name: str) -> int:
-    """A number that orders chapters: scripts 01-06 are all Chapter 1 (they may import each other);
-    from 07 on, script numbers rise with chapter order."""
-    return 1 if int(name[:2]) <= 6 else int(name[:2])
+    """A number that orders chapters: the book's chapter (scripts 01-06 are all Chapter 1,
+    so they may import each other)."""
+    return book_chapter(name)
 
 
 def _module_files() -> dict[str, tuple[Path, bool]]:
@@ -274,9 +296,29 @@ def test_chapters_import_only_earlier_chapters():
             continue
         for target in sorted(module.imports):
             if NUMBERED.match(target) and chapter_number(target) > chapter_number(module.name):
-                offenders.append(f"{_edge(module, target)}: {target[:2]} > {module.name[:2]}")
-    assert not offenders, ("a numbered script may import only numbered scripts at or before it "
+                offenders.append(f"{_edge(module, target)}: Chapter {chapter_number(target)} > "
+                                 f"Chapter {chapter_number(module.name)}")
+    assert not offenders, ("a numbered script may import only numbered scripts of its chapter or earlier ones "
                            "(and kit); these reach forward:\n  " + "\n  ".join(offenders))
+
+
+def test_every_numbered_script_has_a_chapter():
+    problems = []
+    for name, module in modules().items():
+        if module.numbered:
+            try:
+                if not 1 <= book_chapter(name) <= 14:
+                    problems.append(f"{module.rel}: chapter {book_chapter(name)} is not in the book (1-14)")
+            except ValueError as exc:
+                problems.append(str(exc))
+    assert not problems, "\n".join(problems)
+
+
+def test_book_chapter_table():
+    assert [book_chapter(n) for n in ("01_setup", "06_benchmark_online", "07_decode_loop", "08_kv_cache",
+                                      "08_kv_cache_sizes", "08_roofline", "09_static_batching",
+                                      "13_matmul_bound", "16_quantization", "17_compile", "18_tensor_parallel")] \
+        == [1, 1, 2, 3, 3, 4, 5, 9, 12, 13, 14]
 
 
 def test_kit_imports_no_numbered_script():
