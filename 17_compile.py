@@ -34,6 +34,7 @@ import importlib
 import time
 
 import torch
+import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, below)
 import torch.nn.functional as F
 
 from kit import cli
@@ -136,6 +137,9 @@ class Compiled:
 
     def __init__(self, fn, enabled: bool = True):
         self.fn, self.name = fn, fn.__name__
+        # Two sizes that happen to be equal while tracing (a batch of 2 rows, 2 KV heads) would
+        # otherwise be assumed equal forever, and the kernel rebuilt the first time they differ.
+        torch.fx.experimental._config.use_duck_shape = False
         self.compiled = torch.compile(fn, dynamic=True) if enabled else None
 
     def __call__(self, *args):
@@ -196,12 +200,12 @@ class CompiledModel(model10.LlamaModel):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, i: int, q, tables, part, cache) -> torch.Tensor:
-        n = len(part.lengths)
+        n, q = len(part.lengths), q.contiguous()    # one memory layout: one compiled kernel
         lens = torch.tensor([s + 1 for s in part.starts], device=q.device)
         if tables.shape[1] == 1:   # never width 1 or one row: the compiler would specialise on it
             tables = torch.cat([tables, tables], dim=1)
         if n == 1:
-            q, tables, lens = q.expand(2, -1, -1), tables.expand(2, -1), lens.expand(2)
+            q, tables, lens = q.repeat(2, 1, 1), tables.repeat(2, 1), lens.repeat(2)
         out = self.ops["paged_decode_attention"](q, cache.k[i], cache.v[i], tables, lens, cache.block_size)
         return out[:n]
 

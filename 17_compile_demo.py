@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = setup.resolve_model(args.model)
     roofline = importlib.import_module("08_roofline")
-    bandwidth = roofline.measure_bandwidth()
+    bandwidth = roofline.measure_bandwidth(torch.device("cpu"))
     print(f"[{cpu_threads.cpu_name()}]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
     print(f"{'format':<8}{'batch':>6}  {'mode':<9}{'step':>8}{'matmuls':>9}{'attention':>10}{'rest':>8}"
           f"{'floor':>8}   ms")
