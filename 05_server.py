@@ -200,16 +200,17 @@ class OpenAIServer:
         """Every job's GenerateResult, taken from its stream so that a hang-up stops it at the next token."""
         if not self.batching and len(jobs) > 1 and getattr(self.engine, "max_batch_size", None):
             results = await self.generate_in_batches(jobs, params)
-        else:
-            async with self.answers(jobs, params) as produced:
-                try:   # a batching engine runs them all at once; the others run each as it is read
-                    results = (await all_or_nothing(last(p) for p in produced) if self.batching
-                               else [await last(p) for p in produced])
-                except Exception as exc:
-                    raise from_engine_error(exc) from exc
-                server_ops.answered(results)   # /metrics and the access log count what the engine reports
+            server_ops.answered(results)
             return results
-        server_ops.answered(results)
+        async with self.answers(jobs, params) as produced:
+            try:   # a batching engine runs them all at once; the others run each as it is read
+                results = (await all_or_nothing(last(p) for p in produced) if self.batching
+                           else [await last(p) for p in produced])
+            except Exception as exc:
+                raise from_engine_error(exc) from exc
+            # /metrics and the access log count what the engine reports; told before the block
+            # ends, so that its clean-up knows the answers came back whole
+            server_ops.answered(results)
         return results
     # --8<-- [end:answer]
 
