@@ -64,7 +64,7 @@ def make_app(engine, model_name: str | None = None, ops: server_ops.ServerOps | 
     ops = ops or server_ops.ServerOps()
     app = FastAPI(title="llm-engine-companion", version="0.1.0")
     api.install_error_handlers(app)
-    app.add_middleware(api.BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(api.BodyLimit, max_bytes=max_body_bytes, timeout_s=ops.body_timeout)
     ops.install(app, engine, APIError)   # keys, /metrics, timeouts, the page, and the admission queue
     server = OpenAIServer(engine, model_name, ops.admission)
     app.post("/v1/chat/completions")(server.chat_completions)
@@ -93,9 +93,14 @@ class OpenAIServer:
         if tools:   # the model learns the functions from its system message
             messages = structured_api.with_tools(messages, req.tools)
         limit, field = req.token_limit()
+        self.check_size([m["content"] for m in messages], "messages")   # before the template's work
 
         def prepare_chat() -> list:   # template and tokenizer: in a thread, not on the event loop
-            return self.prepare([engine_lib.render_chat(self.engine.tokenizer, messages)], limit, field, params)
+            if self.batching:   # token ids, in which the client's text cannot spell control tokens
+                prompt = api.chat_ids(self.engine.tokenizer, messages, engine_lib.render_chat)
+            else:               # Chapter 1's engines take text, and tokenise it themselves
+                prompt = engine_lib.render_chat(self.engine.tokenizer, messages)
+            return self.prepare([prompt], limit, field, params)
 
         jobs = await run_in_threadpool(prepare_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -114,6 +119,8 @@ class OpenAIServer:
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt", param="prompt")
         params = api.sampling_params(req, SamplingParams)
+        for prompt in prompts:
+            self.check_size([prompt], "prompt")
         jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -123,9 +130,19 @@ class OpenAIServer:
                                    single=isinstance(req.prompt, str))
 
     # --8<-- [start:prepare]
-    def prepare(self, prompts: list[str], requested: int | None, field: str, params: SamplingParams) -> list:
-        """Each prompt as the engine will take it, after every check that can refuse it: a bad
-        prompt refuses a whole list before any of it runs. In a worker thread: tokenizers are slow.
+    def check_size(self, texts: list[str], field: str) -> None:
+        """Refuse text far too long for the context window before any tokenizer reads it: the
+        tokenizer's time grows with the text, a refusal's must not."""
+        chars, most = sum(map(len, texts)), (self.context_length or 0) * api.MAX_CHARS_PER_TOKEN
+        if most and chars > most:
+            raise APIError(400, f"the {field} text is {chars} characters; this model's maximum context length "
+                                f"is {self.context_length} tokens, which this server takes to be at most {most} "
+                                f"characters ({api.MAX_CHARS_PER_TOKEN} a token)", param=field)
+
+    def prepare(self, prompts: list, requested: int | None, field: str, params: SamplingParams) -> list:
+        """Each prompt (text, or a conversation's token ids) as the engine will take it, after every
+        check that can refuse it: a bad prompt refuses a whole list before any of it runs. In a worker
+        thread: tokenizers are slow.
 
         A batching engine gets the prompt's token ids, tokenised here once, in a request it has
         already validated (`new_request`). The others take text and their budget."""
@@ -133,13 +150,11 @@ class OpenAIServer:
             raise APIError(400, f"{field} is {requested}, but this model's maximum context "
                                 f"length is {self.context_length} tokens.", param=field)
         try:
+            ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
+            server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
             if self.batching:
-                jobs = []
-                for prompt in prompts:
-                    ids = self.engine.tokenizer(prompt).input_ids
-                    jobs.append(self.engine.new_request(ids, requested or self.default_budget(len(ids)), params))
-                return jobs
-            jobs = [(p, requested or self.default_budget(len(self.engine.tokenizer(p).input_ids))) for p in prompts]
+                return [self.engine.new_request(i, requested or self.default_budget(len(i)), params) for i in ids]
+            jobs = [(p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
             if len(jobs) > 1 and hasattr(self.engine, "encode"):   # Chapter 1's checks: text, length, window
                 for prompt, budget in jobs:
                     self.engine.encode(prompt, params.token_budget(budget))
@@ -176,19 +191,26 @@ class OpenAIServer:
                         await p.aclose()
                 for s in streams:
                     s.close()   # also the ones nobody started reading
+                # Ended before its results (a hang-up, a timeout, the shutdown): what it did generate
+                # still counts. A batching engine's requests know; for the others, the pieces sent.
+                made = [getattr(j, "new_ids", None) for j in jobs]
+                server_ops.cut_short(None if None in made else sum(map(len, made)))
 
     async def generate(self, jobs: list, params: SamplingParams) -> list:
         """Every job's GenerateResult, taken from its stream so that a hang-up stops it at the next token."""
         if not self.batching and len(jobs) > 1 and getattr(self.engine, "max_batch_size", None):
             results = await self.generate_in_batches(jobs, params)
-        else:
-            async with self.answers(jobs, params) as produced:
-                try:   # a batching engine runs them all at once; the others run each as it is read
-                    results = (await all_or_nothing(last(p) for p in produced) if self.batching
-                               else [await last(p) for p in produced])
-                except Exception as exc:
-                    raise from_engine_error(exc) from exc
-        server_ops.answered(results)   # /metrics and the access log count what the engine reports
+            server_ops.answered(results)
+            return results
+        async with self.answers(jobs, params) as produced:
+            try:   # a batching engine runs them all at once; the others run each as it is read
+                results = (await all_or_nothing(last(p) for p in produced) if self.batching
+                           else [await last(p) for p in produced])
+            except Exception as exc:
+                raise from_engine_error(exc) from exc
+            # /metrics and the access log count what the engine reports; told before the block
+            # ends, so that its clean-up knows the answers came back whole
+            server_ops.answered(results)
         return results
     # --8<-- [end:answer]
 
@@ -259,7 +281,7 @@ class OpenAIServer:
                     raise RuntimeError("the engine's stream ended without a GenerateResult")
             except Exception as exc:  # too late for a status code: report it in the stream
                 error = from_engine_error(exc)
-                server_ops.failed(error.message)
+                server_ops.failed(error.message, error.status)
                 yield sse(error.body())
                 yield sse("[DONE]")
                 return

@@ -8,16 +8,19 @@ keeps the wire format, which is the same for every engine:
 - errors in OpenAI's JSON shape, with the right status, for every way a request can fail;
 - the mapping from a request's fields to `SamplingParams`;
 - the shapes of the answer: replies, log-probabilities, streamed chunks, usage, Server-Sent Events;
-- a cap on the request body's size, enforced while it arrives.
+- a cap on the request body's size and on the time it may take to arrive, enforced while it arrives;
+- the conversation as token ids in which the client's text stays text (`chat_ids`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -29,6 +32,10 @@ from kit import structured_api
 
 log = logging.getLogger("05_server")
 MAX_PROMPTS = 64   # prompts in one /v1/completions request: a list is work for many requests
+MAX_MESSAGES = 1024   # messages in one conversation: each costs template work before any check
+# A token is rarely more than a few characters; a text longer than this many characters per
+# token of the context window is refused before the tokenizer (and the chat template) reads it.
+MAX_CHARS_PER_TOKEN = 32
 
 
 # --8<-- [start:request-models]
@@ -188,8 +195,18 @@ class SamplingFields(_Strict):
         return self.max_tokens, "max_tokens"
 
 
+def _at_most(limit: int, what: str):
+    """A 'before' validator: a list too long is refused on its length, before its items are read."""
+    def check(value):
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what} in one request, got {len(value)}")
+        return value
+    return field_validator("messages" if what == "messages" else "prompt", mode="before")(check)
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    _few_messages = _at_most(MAX_MESSAGES, "messages")
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None              # the chosen tokens' log-probabilities ...
     top_logprobs: int | None = Field(None, ge=0, le=20)   # ... and this many alternatives each
@@ -207,7 +224,8 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]   # a list is answered as one batch
+    prompt: str | list[str]                   # a list is answered as one batch
+    _few_prompts = _at_most(MAX_PROMPTS, "prompts")
     logprobs: int | None = Field(None, ge=0, le=20)   # legacy form: the number of alternatives
 # --8<-- [end:request-models]
 
@@ -243,18 +261,24 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": ...}.
         err = exc.errors()[0]
         if err.get("type") == "json_invalid":
-            return await api_error(_, APIError(400, f"the body is not valid JSON: {err['ctx']['error']} "
-                                                    f"at character {err['loc'][-1]}"))
+            return await api_error(request, APIError(400, f"the body is not valid JSON: {err['ctx']['error']} "
+                                                          f"at character {err['loc'][-1]}"))
+        if isinstance(err.get("input"), bytes):   # FastAPI reads JSON only when the client says it is JSON
+            ctype = request.headers.get("content-type", "")
+            return await api_error(request, APIError(415, f"the body must be JSON, sent with 'Content-Type: "
+                                                          f"application/json' (this one says {ctype!r})"))
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
-        return await api_error(_, APIError(400, message, param=loc[0] if loc else None))
+        if loc[:1] == ["prompt"] and err.get("type") in ("value_error", "string_type"):
+            loc = loc[:1]   # not "prompt.str: ...": which branch of str | list[str] failed says nothing
+        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}"
+        return await api_error(request, APIError(400, message, param=loc[0] if loc else None))
 
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return await api_error(_, APIError(exc.status_code, str(exc.detail)))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return await api_error(request, APIError(exc.status_code, unreadable(exc) or str(exc.detail)))
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         return await api_error(_, from_engine_error(exc))  # a JSON 500, and the server lives on
@@ -264,6 +288,21 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
 # --8<-- [end:errors]
+
+
+def unreadable(exc: StarletteHTTPException) -> str | None:
+    """FastAPI says "There was an error parsing the body" for every way json.loads can fail but
+    bad syntax; the error it wraps says which."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8 text: byte 0x{cause.object[cause.start]:02x} at position {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the body's JSON is nested too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):   # Python's cap on int() of long text
+        return f"the body has a number too long to read: {cause}"
+    if cause is not None and exc.status_code == 400:
+        return f"the body could not be read as JSON: {type(cause).__name__}: {cause}"
+    return None
 
 
 def sampling_params(req: SamplingFields, params_class: type):
@@ -326,10 +365,12 @@ MAX_BODY_BYTES = 2 << 20   # 2 MiB: far more text than any context window here h
 
 
 class BodyLimit:
-    """Refuse a request body over max_bytes with a 413, counting as it arrives, before parsing."""
+    """Refuse a request body over max_bytes with a 413, counting as it arrives, before parsing;
+    and one that has not arrived whole within timeout_s with a 408 (a Content-Length larger than
+    what is sent would otherwise hold the connection, and a worker, for ever)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float | None = None):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -337,15 +378,22 @@ class BodyLimit:
         declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(scope, receive, send)
-        seen = 0
+        seen, whole = 0, False
+        deadline = None if not self.timeout_s else anyio.current_time() + self.timeout_s
 
         async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:   # a chunked body that never declared its length
-                raise StarletteHTTPException(413, self._message())
-            return message
+            nonlocal seen, whole
+            if whole or deadline is None:   # after the body: a wait for the client to hang up
+                return await receive()
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                message = await receive()
+                seen += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
+                if seen > self.max_bytes:   # a chunked body that never declared its length
+                    raise StarletteHTTPException(413, self._message())
+                return message
+            raise StarletteHTTPException(408, f"the request body did not arrive within {self.timeout_s:g} "
+                                              f"seconds ({seen} bytes came)")
 
         await self.app(scope, counted, send)
 
@@ -378,6 +426,30 @@ def chat_messages(messages: list) -> list[dict]:
         content += "".join(structured_api.call_text(c.function.name, c.function.arguments) for c in m.tool_calls or ())
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
+
+
+# --8<-- [start:chat-ids]
+def chat_ids(tokenizer, messages: list[dict], render: Callable[[object, list[dict]], str]) -> list[int]:
+    """The conversation's token ids, with each message's text tokenised as text.
+
+    Tokenising the rendered template whole would read "<|im_start|>" typed in a message as
+    the control token itself, so a user could forge turns (a system message, an assistant's
+    reply). Here the template is rendered with a marker in place of each message's text; the
+    template's parts are tokenised as written (its control tokens), and each text with
+    split_special_tokens=True. The parts meet where the template puts control tokens or line
+    breaks, so ordinary text gets the same ids as before."""
+    nonce = uuid.uuid4().hex
+    marks = [f"\u2063{nonce}{i}\u2063" for i in range(len(messages))]
+    rendered = render(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)])
+    if [rendered.count(mark) for mark in marks] != [1] * len(marks):   # a template that changes the text
+        raise APIError(400, "this model's chat template rewrites message text; send the prompt to /v1/completions")
+    ids, rest = [], rendered
+    for i, (m, mark) in enumerate(zip(messages, marks)):
+        template, rest = rest.split(mark)
+        ids += tokenizer(template, add_special_tokens=i == 0).input_ids   # a BOS, where the tokenizer adds one
+        ids += tokenizer(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+    return ids + tokenizer(rest, add_special_tokens=False).input_ids
+# --8<-- [end:chat-ids]
 
 
 def sse(obj: dict | str) -> str:

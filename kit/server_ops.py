@@ -5,13 +5,16 @@ in one place that `make_app` installs with one call:
 
 - Admission: `AdmissionQueue`, the one place where requests wait for the engine (a FIFO lock
   for one-at-a-time engines) and where `--max-waiting` refuses them with 503 and Retry-After.
-- API keys: `--api-key` / ENGINE_API_KEY guards every /v1/* route (401 in OpenAI's shape).
-- Prometheus metrics at GET /metrics: requests, tokens, TTFT, inter-token latency, queue time,
-  and the engine's features.
-- Timeouts: `--request-timeout` ends a request that runs too long, with an error the client sees.
+- API keys: `--api-key` / ENGINE_API_KEY guards every /v1/* route (401 in OpenAI's shape), and
+  /metrics and /engine/stats too unless `--metrics-key` gives them a key of their own.
+- Host names: only those the server was bound for (`--allowed-hosts`), against DNS rebinding.
+- Prometheus metrics at GET /metrics: requests (by route, never by raw path), tokens, TTFT,
+  inter-token latency, queue time, and the engine's features.
+- Timeouts: a request body must arrive within `--body-timeout` seconds; `--request-timeout`
+  ends a request that runs too long, with an error the client sees.
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
-- One access-log line per request (never the prompt text).
+- One access-log line per request (never the prompt text; control characters escaped).
 - The classroom page at GET / (static/), fed by GET /engine/stats.
 - `LazyApp`, so that `uvicorn 05_server:app` loads the model when it starts, not at import.
 
@@ -42,9 +45,16 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from starlette.concurrency import run_in_threadpool
+
+from kit import cli
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+OTHER_ROUTE = "other"        # the metrics' one label for every path no route serves
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
+CLIENT_CLOSED = 499          # nginx's status for "the client closed the request"
 RATE_WINDOW_S = 5.0          # "tokens/s over the last seconds" on the page and in /engine/stats
 access_log = logging.getLogger("05_server.access")
 
@@ -55,8 +65,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 @dataclass(eq=False)   # hashed by identity: ServerOps.active is a set of them
 class RequestRecord:
     """What the middleware and the endpoint learn about one request while it runs."""
-    route: str
+    route: str                   # the path as sent (the access log escapes it)
     ops: ServerOps
+    endpoint: str = OTHER_ROUTE  # the route it matched: the metrics' label, one per route
     start: float = field(default_factory=time.monotonic)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     status: int = 0
@@ -70,6 +81,7 @@ class RequestRecord:
     queue_s: float | None = None
     last_event: float | None = None
     error: str | None = None
+    answered: bool = False       # the engine's results came back (else it ended early)
     response_started: bool = False
     response_done: bool = False
     taken_over: bool = False     # the middleware ended the response itself (timeout, shutdown)
@@ -104,6 +116,7 @@ def answered(results: list) -> None:
     rec = _current.get()
     if rec is None:
         return
+    rec.answered = True
     rec.prompt_tokens = sum(r.metrics.input_tokens for r in results)
     rec.output_tokens = sum(r.metrics.output_tokens for r in results)
     rec.draft_tokens = sum(r.metrics.draft_tokens or 0 for r in results)
@@ -114,11 +127,27 @@ def answered(results: list) -> None:
         rec.ttft_s = (rec.queue_s or 0.0) + min(ttfts) / 1000
 
 
-def failed(message: str) -> None:
-    """An error the client was told inside a 200 stream: the access log says it too."""
+def failed(message: str, status: int) -> None:
+    """An error the client was told inside a 200 stream: the access log and /metrics say it too."""
     rec = _current.get()
     if rec is not None:
-        rec.error = message
+        rec.error, rec.status = message, status
+
+
+def prompt_read(n_tokens: int) -> None:
+    """The request's prompt tokens, counted before it runs: an answer cut short still reports them."""
+    rec = _current.get()
+    if rec is not None:
+        rec.prompt_tokens = n_tokens
+
+
+def cut_short(output_tokens: int | None) -> None:
+    """The request ended before its results came back (its client left, a timeout, the shutdown):
+    count the tokens it did generate, or, where the engine cannot say, the pieces it streamed."""
+    rec = _current.get()
+    if rec is not None and not rec.answered:
+        rec.output_tokens = rec.pieces if output_tokens is None else output_tokens
+        rec.ops.generated(rec.output_tokens - rec.pieces)
 # --8<-- [end:counts]
 
 
@@ -183,26 +212,39 @@ class AdmissionQueue:
     Chapter 1's engines serve one request at a time, so a request takes its turn behind an
     asyncio.Lock, which wakes its waiters in arrival order (FIFO), and holds it for its whole
     generation, streams included. An engine that batches live requests itself (Chapter 9's
-    `submit`) gets no lock: every request goes straight to its scheduler, which is where
-    requests wait, so `engine_waiting` (the scheduler's queue length) is what max_waiting bounds.
+    `submit`) gets no lock: every request goes straight to its scheduler, which runs up to
+    `seats` (max_num_seqs) of them at once. What max_waiting bounds there is what waits beyond
+    those seats: the engine holds at most seats + max_waiting requests, running or queued.
+    Requests still being tokenised are not the engine's yet and do not count.
     """
 
     def __init__(self, max_waiting: int | None, on_queued: Callable[[float], None],
-                 engine_waiting: Callable[[], int] | None = None):
-        self._lock = None if engine_waiting else asyncio.Lock()
-        self.max_waiting, self.on_queued, self.engine_waiting = max_waiting, on_queued, engine_waiting
+                 engine_load: Callable[[], tuple[int, int]] | None = None, seats: int = 0):
+        self._lock = None if engine_load else asyncio.Lock()
+        self.max_waiting, self.on_queued, self.engine_load, self.seats = max_waiting, on_queued, engine_load, seats
         self.waiting = self.running = 0
+
+    def check_engine(self, prompts: int) -> None:
+        """Refuse (Overloaded) a request the batching engine has no room for: seats + max_waiting."""
+        if self.max_waiting is None:
+            return
+        running, waiting = self.engine_load()   # both counted by the engine: its queue and its batch
+        held, room = running + waiting, self.seats + self.max_waiting
+        if prompts > room:
+            raise Overloaded(f"a list of {prompts} prompts is more than this server takes at once "
+                             f"({self.seats} running + --max-waiting {self.max_waiting}); send at most {room}")
+        if held + prompts > room:
+            raise Overloaded(f"the server is overloaded: {running} requests run on the engine's {self.seats} "
+                             f"seats and {waiting} wait for one (--max-waiting {self.max_waiting})")
 
     @contextlib.asynccontextmanager
     async def turn(self, prompts: int = 1) -> AsyncIterator[None]:
         """Hold the request's place at the engine while the block runs; a list takes one turn.
 
         With a batching engine the caller must hand its prompts over before its next await:
-        the scheduler's count is then exact for whoever is admitted next."""
+        the engine's count is then exact for whoever is admitted next."""
         if self._lock is None:
-            waiting = self.engine_waiting()
-            if self.max_waiting is not None and waiting + prompts > self.max_waiting:
-                raise Overloaded(f"the server is overloaded: {waiting} requests are already waiting")
+            self.check_engine(prompts)
         else:
             if self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
                 raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
@@ -227,16 +269,21 @@ class AdmissionQueue:
 class ServerOps:
     """The production settings; `install` wires them into an app."""
     api_key: str | None = None
+    metrics_key: str | None = None   # /metrics and /engine/stats; None: the api_key guards them
+    allowed_hosts: tuple[str, ...] | None = None   # Host header names served; None: any
     max_waiting: int | None = None
     request_timeout: float | None = None
+    body_timeout: float = 30.0
     shutdown_grace: float = 10.0
     retry_after_s: int = 1
 
     def __post_init__(self):
-        for name in ("max_waiting", "request_timeout", "shutdown_grace"):
+        for name in ("max_waiting", "request_timeout", "shutdown_grace", "body_timeout"):
             value = getattr(self, name)
             if value is not None and not (0 <= value < float("inf")):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.allowed_hosts is not None:
+            self.allowed_hosts = tuple(host_name(h) for h in self.allowed_hosts)
         self.active: set[RequestRecord] = set()
         self.shutting_down = False
         self._tokens: collections.deque = collections.deque()   # (time, tokens) for the live rate
@@ -244,16 +291,18 @@ class ServerOps:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOps":
-        return cls(api_key=args.api_key or None, max_waiting=args.max_waiting,
-                   request_timeout=args.request_timeout, shutdown_grace=args.shutdown_grace)
+        return cls(api_key=args.api_key or None, metrics_key=args.metrics_key or None,
+                   allowed_hosts=served_hosts(args.host, args.allowed_hosts), max_waiting=args.max_waiting,
+                   request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+                   shutdown_grace=args.shutdown_grace)
 
     # --8<-- [start:install]
     def install(self, app: FastAPI, engine, api_error: type) -> None:
         """Add the middleware, /metrics, /engine/stats and the page, and the engine's `admission` queue."""
-        self.engine, self.api_error = engine, api_error
+        self.app, self.engine, self.api_error = app, engine, api_error
         batching = callable(getattr(engine, "submit", None))
-        self.admission = AdmissionQueue(self.max_waiting, self._queued,
-                                        (lambda: engine.stats()["waiting"]) if batching else None)
+        self.admission = AdmissionQueue(self.max_waiting, self._queued, (lambda: engine_load(engine)) if batching
+                                        else None, seats=getattr(engine, "max_num_seqs", 0) or 0)
         self.metrics = Metrics(self.snapshot)
         app.add_middleware(_OpsMiddleware, ops=self)
 
@@ -263,8 +312,8 @@ class ServerOps:
         app.add_exception_handler(Overloaded, overloaded)
 
         @app.get("/metrics", include_in_schema=False)
-        async def metrics():
-            return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        async def metrics():   # formatting every series takes a while: not on the event loop
+            return Response(await run_in_threadpool(self.metrics.text), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/engine/stats")
         async def engine_stats():
@@ -275,6 +324,15 @@ class ServerOps:
             return FileResponse(STATIC_DIR / "index.html")
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     # --8<-- [end:install]
+
+    def endpoint(self, path: str) -> str:
+        """The route a path matches, as declared ('/v1/completions', '/static'), or 'other': the
+        metrics' label. A label per raw path would let any client add series without end."""
+        for route in self.app.routes:
+            regex = getattr(route, "path_regex", None)
+            if regex is not None and regex.match(path):
+                return route.path or OTHER_ROUTE
+        return OTHER_ROUTE
 
     def snapshot(self) -> dict:
         """What the live panel shows: the queue's counts, overridden by the engine's own stats(),
@@ -323,9 +381,8 @@ class ServerOps:
                 return
             rec.taken_over, rec.error = True, message
             body = self.api_error(status, message, type_="server_error").body()
-            send = rec.send
-            if not rec.response_started:
-                rec.status = status
+            send, started, rec.status = rec.send, rec.response_started, status   # the outcome, 200 sent or not
+            if not started:
                 await send({"type": "http.response.start", "status": status,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": json.dumps(body).encode()})
@@ -338,12 +395,55 @@ class ServerOps:
         if rec.cancel is not None:
             rec.cancel.cancel()
 
-    def authorized(self, headers: dict[bytes, bytes]) -> bool:
-        if not self.api_key:
+    def authorized(self, headers: dict[bytes, bytes], path: str) -> bool:
+        """The key this path needs, if any: the API key for /v1/*; the metrics key (or else the API
+        key) for /metrics and /engine/stats, which tell how busy the server is and what it runs."""
+        key = self.api_key if path.startswith("/v1/") else \
+            (self.metrics_key or self.api_key) if path in ("/metrics", "/engine/stats") else None
+        if not key:
             return True
-        given = headers.get(b"authorization", b"")
-        # Constant time: how long a wrong key takes must not tell how much of it was right.
-        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"). Constant time: how
+        # long a wrong key takes must not tell how much of it was right.
+        return hmac.compare_digest(given.strip(), key.encode()) and scheme.lower() == b"bearer"
+
+    def host_allowed(self, headers: dict[bytes, bytes]) -> bool:
+        """Against DNS rebinding: a web page whose name an attacker points at 127.0.0.1 reaches a
+        loopback server, but its requests still carry the attacker's name in the Host header."""
+        if self.allowed_hosts is None:
+            return True
+        return host_name(headers.get(b"host", b"").decode("latin-1")) in self.allowed_hosts
+
+
+def host_name(host: str) -> str:
+    """A Host header's (or --host's) name without the port: 'LocalHost:8001' -> 'localhost',
+    '[::1]:8001' and '::1' -> '[::1]'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return f"[{host}]" if host.count(":") > 1 else host.split(":")[0]
+
+
+def served_hosts(bound: str, allowed: str | None) -> tuple[str, ...] | None:
+    """The Host names served: --allowed-hosts ('*' is any), else this machine's loopback names
+    and --host itself; a server bound to every interface (0.0.0.0) answers to any name."""
+    if allowed is not None:
+        names = [h for h in allowed.split(",") if h.strip()]
+        return None if "*" in (h.strip() for h in names) else tuple(names)
+    if bound.strip() in WILDCARD_HOSTS:
+        return None
+    return (*LOOPBACK_HOSTS, bound)
+
+
+def engine_load(engine) -> tuple[int, int]:
+    """A batching engine's requests: (running, waiting) as its stats() counts them."""
+    stats = engine.stats()
+    return stats.get("running", 0), stats["waiting"]
+
+
+def printable(text: str) -> str:
+    """Text for a log line: control characters escaped, so that a path cannot forge or break lines."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 class _OpsMiddleware:
@@ -357,20 +457,24 @@ class _OpsMiddleware:
             return await self.app(scope, receive, send)
         ops, path = self.ops, scope["path"]
         headers = dict(scope.get("headers") or [])
-        if path.startswith("/v1/") and not ops.authorized(headers):
-            status = 401
+        rec = RequestRecord(route=path, ops=ops, endpoint=ops.endpoint(path))
+        refusal = None
+        if not ops.host_allowed(headers):
+            refusal = JSONResponse(ops.api_error(400, "this server does not answer to that Host name; "
+                                                      "start it with --allowed-hosts to add one").body(), 400)
+        elif not ops.authorized(headers, path):
             body = ops.api_error(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                                  type_="invalid_request_error").body()
             body["error"]["code"] = "invalid_api_key"
-            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-            ops.metrics.requests.labels(path, str(status)).inc()
-            return
-        rec = RequestRecord(route=path, ops=ops)
-        if ops.shutting_down and path in GENERATION_ROUTES:
-            rec.send = send
-            await ops._end(rec, 503, "the server is shutting down")
+            refusal = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            rec.status = refusal.status_code
             return self._finish(rec)
         rec.send = send
+        if ops.shutting_down and path in GENERATION_ROUTES:
+            await ops._end(rec, 503, "the server is shutting down")
+            return self._finish(rec)
         token = _current.set(rec)
         generation = path in GENERATION_ROUTES
 
@@ -408,7 +512,9 @@ class _OpsMiddleware:
     def _finish(self, rec: RequestRecord) -> None:
         ops, total = self.ops, time.monotonic() - rec.start
         m = ops.metrics
-        m.requests.labels(rec.route, str(rec.status)).inc()
+        if rec.route in GENERATION_ROUTES and rec.status == 200 and not rec.answered:
+            rec.status = CLIENT_CLOSED   # a stream whose client left: its 200 went out, its answer did not
+        m.requests.labels(rec.endpoint, str(rec.status)).inc()
         if rec.route in GENERATION_ROUTES:
             m.prompt_tokens.inc(rec.prompt_tokens)
             m.generation_tokens.inc(rec.output_tokens)
@@ -421,19 +527,33 @@ class _OpsMiddleware:
                 ops._served += 1
         ttft = f"{rec.ttft_s * 1000:.0f}ms" if rec.ttft_s is not None else "-"
         queue = f"{rec.queue_s * 1000:.0f}ms" if rec.queue_s is not None else "-"
-        access_log.info("%s %s %d prompt=%d output=%d queue=%s ttft=%s total=%.0fms%s", rec.id, rec.route,
+        access_log.info("%s %s %d prompt=%d output=%d queue=%s ttft=%s total=%.0fms%s", rec.id, printable(rec.route),
                         rec.status, rec.prompt_tokens, rec.output_tokens, queue, ttft, total * 1000,
                         f" error={rec.error!r}" if rec.error else "")
 
 
+MAX_TIMEOUT_S = 24 * 3600   # every number bounded: a day is longer than any request here
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENGINE_API_KEY)")
-    parser.add_argument("--max-waiting", type=int, default=None,
-                        help="requests allowed to wait for the engine; past it: 503 (default: no bound)")
-    parser.add_argument("--request-timeout", type=float, default=None,
-                        help="end a request that runs longer than this many seconds (default: never)")
-    parser.add_argument("--shutdown-grace", type=float, default=10.0,
+                        help="require 'Authorization: Bearer KEY' on /v1/* and, unless --metrics-key is given, "
+                             "on /metrics and /engine/stats (default: $ENGINE_API_KEY)")
+    parser.add_argument("--metrics-key", default=os.environ.get("ENGINE_METRICS_KEY"),
+                        help="the key for /metrics and /engine/stats, e.g. Prometheus' (default: $ENGINE_METRICS_KEY, "
+                             "else --api-key; without either they are open)")
+    parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                        help="Host header names to answer, comma-separated, '*' for any (default: localhost, "
+                             "127.0.0.1, [::1] and --host; any name when --host is 0.0.0.0)")
+    parser.add_argument("--max-waiting", type=cli.integer(0), default=None,
+                        help="requests allowed to wait beyond those the engine runs (a batching engine's "
+                             "--max-num-seqs, else one); past it: 503 (default: no bound)")
+    parser.add_argument("--request-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=None,
+                        help="end a request that runs longer than this many seconds, streams included, with an "
+                             "error the client sees (default: off, a request runs until its max_tokens)")
+    parser.add_argument("--body-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=30.0,
+                        help="seconds a client has to send its whole request body; past it: 408 (default: 30)")
+    parser.add_argument("--shutdown-grace", type=cli.number(low=0, high=MAX_TIMEOUT_S), default=10.0,
                         help="seconds running requests get to finish on SIGTERM/Ctrl-C (default: 10)")
 
 
@@ -453,7 +573,8 @@ def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
             self._captured_signals.clear()
 
     # uvicorn's own grace is a backstop a little after ours, for anything that ignores cancellation.
-    config = uvicorn.Config(app, host=host, port=port, access_log=False,
+    # timeout_keep_alive closes an idle connection; a body that stops half-way is --body-timeout's.
+    config = uvicorn.Config(app, host=host, port=port, access_log=False, timeout_keep_alive=5,
                             timeout_graceful_shutdown=int(ops.shutdown_grace) + 5)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -62,6 +62,8 @@ def test_memory_sizes_parse():
     (["16_quantization_demo.py", "--rounds", "0"], "argument --rounds: 0 is out of range"),
     (["05_server.py", "--port", "70000"], "argument --port: 70000 is out of range"),
     (["05_server.py", "--host", ""], "--host must name an address"),
+    (["05_server.py", "--request-timeout", "0"], "argument --request-timeout: 0 is out of range"),
+    (["05_server.py", "--body-timeout", "1e9"], "argument --body-timeout: 1e+09 is out of range"),
     (["04_engine.py", "--device", "tpu"], "unknown device 'tpu'"),
     (["05_server.py", "--engine", ".x:Y"], "a spec must look like 'module:Class'"),
 ])

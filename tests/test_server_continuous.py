@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import load_script
 from kit import cli
@@ -111,6 +112,13 @@ def test_a_client_that_hangs_up_frees_all_its_blocks(cb_engine, stream):
     assert cb_engine._by_id == {}
     request = seen[-1]
     assert 0 < len(request.new_ids) < 400, "the request ran on after its client left"
+    with TestClient(app) as client:   # a client-closed request (499), with the tokens it did generate
+        values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                  for fam in text_string_to_metric_families(client.get("/metrics").text) for s in fam.samples}
+    assert values[("llm_requests_total", (("endpoint", "/v1/completions"), ("status", "499")))] == 1
+    # counted when the stream closed: the step then running may have added one more
+    assert len(request.new_ids) - 1 <= values[("llm_generation_tokens_total", ())] <= len(request.new_ids)
+    assert values[("llm_prompt_tokens_total", ())] == request.n_prompt
 
 
 def test_200_requests_leave_no_blocks_and_no_requests_behind(cb_engine):
@@ -247,3 +255,25 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
         stats = httpx.get(f"{url}/engine/stats").json()
     assert answers == expected
     assert max(stats["batch_sizes"]) > 1 and stats["kv_blocks_used"] == 0
+
+
+def test_a_burst_that_fits_seats_and_max_waiting_is_all_admitted(tiny_model_dir):
+    """8 seats + --max-waiting 8: 16 requests at once all fit, though most are still on their way
+    into the scheduler (handed over, prefilled a chunk at a time) when the last ones arrive."""
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                                         max_num_seqs=8, max_num_batched_tokens=64)
+    app = server.make_app(engine, ops=server_ops.ServerOps(max_waiting=8))
+
+    async def burst(n: int) -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            body = {"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 8}
+            return [r.status_code for r in await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
+                                                                  for _ in range(n)))]
+    try:
+        assert asyncio.run(burst(16)) == [200] * 16
+        wait_until_idle(engine)
+        assert asyncio.run(burst(17)).count(503) <= 1
+    finally:
+        wait_until_idle(engine)
+        engine.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO_ROOT, load_script
+from test_server import asgi_request
 
 server = load_script("05_server")
 ops_lib = importlib.import_module("kit.server_ops")
@@ -200,9 +203,118 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
         assert "error" in last_json or last_json["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0
         log = proc.stdout.read()
-        assert "/v1/completions 200" in log   # the access line, without the prompt text
+        # The access line, without the prompt text: a stream the shutdown ended is no success, and
+        # it counts the tokens it did generate.
+        line = re.search(r"/v1/completions (\d+) prompt=(\d+) output=(\d+)", log)
+        status, prompt, output = map(int, line.groups())
+        assert (status, output) == (200, 400) if "error" not in last_json else status == 503 and output >= 1
+        assert prompt >= 1
         assert "Once" not in log.split("[server]")[-1]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_metrics_label_routes_not_raw_paths_and_stay_small(tiny_engine):
+    """Made-up paths (404s, and 401s under a key) all count as one 'other' series: a client
+    cannot grow /metrics, whose every scrape formats every series."""
+    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
+        small = len(c.get("/metrics", headers={"Authorization": "Bearer k"}).content)
+        for i in range(300):
+            assert c.get(f"/junk/{i}").status_code == 404
+            assert c.get(f"/v1/junk/{i}").status_code == 401
+        assert c.get("/static/../../etc/passwd").status_code == 404
+        text = c.get("/metrics", headers={"Authorization": "Bearer k"}).text
+    endpoints = {s.labels["endpoint"] for fam in text_string_to_metric_families(text) for s in fam.samples
+                 if s.name == "llm_requests_total"}
+    assert endpoints <= {"other", "/metrics", "/static"}, endpoints
+    values = metric_values(text)
+    assert values[("llm_requests_total", (("endpoint", "other"), ("status", "404")))] == 301   # the client
+    assert values[("llm_requests_total", (("endpoint", "other"), ("status", "401")))] == 300   # made it /etc/passwd
+    assert len(text) < small + 2000
+
+
+def test_the_access_log_escapes_control_characters(tiny_engine, caplog):
+    with TestClient(server.make_app(tiny_engine)) as c, caplog.at_level("INFO", logger="05_server.access"):
+        c.get("/x%0a2026-01-01 05_server.access forged 200")
+        c.get("/y%00z%1b[31m")
+    lines = [r.getMessage() for r in caplog.records if r.name == "05_server.access"]
+    assert len(lines) == 2 and not any(ch in "".join(lines) for ch in "\n\x00\x1b")
+    assert "/x\\n2026-01-01" in lines[0] and "/y\\x00z\\x1b[31m" in lines[1]
+
+
+def test_a_body_that_never_arrives_whole_is_a_408(tiny_engine):
+    """A Content-Length larger than what is sent: without a deadline the request waits for ever."""
+    app = server.make_app(tiny_engine, ops=ops_lib.ServerOps(body_timeout=0.3))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}
+    parts, sent = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}], []
+
+    async def receive():
+        if parts:
+            return parts.pop()
+        await asyncio.Event().wait()   # the rest never comes, and the client never leaves
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            await asyncio.wait_for(app(scope, receive, send), timeout=10)
+    asyncio.run(run())
+    assert sent[0]["status"] == 408 and b"did not arrive within 0.3 seconds" in sent[1]["body"]
+
+
+def test_a_stream_whose_client_left_is_a_499_with_its_tokens(tiny_engine):
+    """Not a 200 with no tokens: /metrics, the served count and the access log say what happened."""
+    app = server.make_app(tiny_engine)
+
+    async def scenario():
+        sent = await asgi_request(app, {"prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True},
+                                  hang_up_after=5)
+        assert sent[0]["status"] == 200
+    asyncio.run(scenario())
+    with TestClient(app) as c:
+        values = metric_values(c.get("/metrics").text)
+        served = c.get("/engine/stats").json()["served"]
+    assert values.get(("llm_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))) is None
+    assert values[("llm_requests_total", (("endpoint", "/v1/completions"), ("status", "499")))] == 1
+    assert served == 0
+    assert values[("llm_prompt_tokens_total", ())] == len(tiny_engine.tokenizer("Once").input_ids)
+    assert 4 <= values[("llm_generation_tokens_total", ())] < 300
+
+
+def test_metrics_and_stats_need_a_key_when_the_api_has_one(tiny_engine):
+    bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731
+    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
+        for path in ("/metrics", "/engine/stats"):
+            assert c.get(path).status_code == 401
+            assert c.get(path, headers=bearer("k")).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "bearer k"}).status_code == 200   # any case
+        assert c.get("/v1/models", headers={"Authorization": "BEARER  k"}).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "Basic k"}).status_code == 401
+    ops = ops_lib.ServerOps(api_key="k", metrics_key="m")   # Prometheus gets a key of its own
+    with TestClient(server.make_app(tiny_engine, ops=ops)) as c:
+        assert c.get("/metrics", headers=bearer("k")).status_code == 401
+        assert c.get("/metrics", headers=bearer("m")).status_code == 200
+        assert c.get("/v1/models", headers=bearer("m")).status_code == 401
+
+
+def test_only_the_bound_host_names_are_answered(tiny_engine):
+    """DNS rebinding: a page on evil.example, its name pointed at 127.0.0.1, still sends its own Host."""
+    assert ops_lib.served_hosts("0.0.0.0", None) is None and ops_lib.served_hosts("127.0.0.1", "*") is None
+    ops = ops_lib.ServerOps(allowed_hosts=ops_lib.served_hosts("127.0.0.1", None))
+    with TestClient(server.make_app(tiny_engine, ops=ops)) as c:
+        for host in ("127.0.0.1:8001", "localhost", "LOCALHOST:8001", "[::1]:8001"):
+            assert c.get("/v1/models", headers={"Host": host}).status_code == 200, host
+        for host in ("evil.example", "evil.example:8001", "127.0.0.1.evil.example", ""):
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers={"Host": host})
+            assert r.status_code == 400 and "--allowed-hosts" in r.json()["error"]["message"], host
+    ops = ops_lib.ServerOps(allowed_hosts=ops_lib.served_hosts("127.0.0.1", "llm.lan"))
+    with TestClient(server.make_app(tiny_engine, ops=ops)) as c:
+        assert c.get("/health", headers={"Host": "llm.lan:80"}).status_code == 200
+        assert c.get("/health", headers={"Host": "localhost"}).status_code == 400
