@@ -12,7 +12,7 @@ in one place that `make_app` installs with one call:
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - One access-log line per request (never the prompt text).
-- The classroom page at GET / (static/), fed by GET /engine/stats.
+- The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler.
 - `LazyApp`, so that `uvicorn 05_server:app` loads the model when it starts, not at import.
 
 One ASGI middleware times every request at the HTTP boundary, and the endpoints tell it the
@@ -42,6 +42,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from kit import engine_view
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -269,6 +271,7 @@ class ServerOps:
         @app.get("/engine/stats")
         async def engine_stats():
             return self.snapshot()
+        engine_view.install(app, engine)   # GET /engine/scheduler: requests, KV blocks, steps (Chapter 9)
 
         @app.get("/", include_in_schema=False)
         async def page():
