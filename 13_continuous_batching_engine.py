@@ -293,11 +293,11 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
 
 
     # --8<-- [start:snapshot]
-    def snapshot(self, timeout_s: float = 2.0) -> dict | None:
+    def snapshot(self, timeout_s: float = 10.0) -> dict | None:
         """The scheduler's state for the classroom page (kit/engine_view.py): each request's state,
         TTFT and tokens, each KV block's owner and reference count, the recent steps. Plain dicts,
         bounded in size. Read by the engine loop between two steps, or here while the loop sleeps,
-        so no step changes what is being read. None if the loop did not answer in time_s."""
+        so no step changes what is being read. None if the loop did not answer within timeout_s."""
         with self._cv:
             if self._thread is None or self._idle:   # nothing is changing the queues now
                 return self._describe()

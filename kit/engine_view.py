@@ -5,7 +5,7 @@ queues and block tables it describes hold still while they are read. This module
 it reads into plain, bounded dicts (`describe`), and serves them at GET /engine/scheduler with
 one snapshot shared by every browser for SNAPSHOT_TTL_S (`EngineView`): thirty tabs polling
 twice a second cost the engine at most four snapshots a second, taken in a worker thread,
-never on the event loop. An engine without a scheduler answers `{"available": false}`.
+never on the event loop, and no poll waits long for one. An engine without a scheduler answers `{"available": false}`.
 
     curl -s 'http://127.0.0.1:8001/engine/scheduler?since=0' | python -m json.tool
 """
@@ -79,7 +79,7 @@ class EngineView:
 
     def __init__(self, engine, ttl_s: float = SNAPSHOT_TTL_S):
         self.engine, self.ttl_s = engine, ttl_s
-        self._snap, self._at, self._lock = None, float("-inf"), asyncio.Lock()
+        self._snap, self._at, self._refresh = None, float("-inf"), None
 
     async def get(self, since: int = -1) -> dict:
         """The shared snapshot, with only the steps after `since` (the page asks for what it lacks)."""
@@ -89,14 +89,21 @@ class EngineView:
         return snap
 
     async def _fresh(self) -> dict:
-        if time.monotonic() - self._at < self.ttl_s:
-            return self._snap
-        async with self._lock:                     # one snapshot at a time; the others wait and share it
-            if time.monotonic() - self._at >= self.ttl_s:
-                snap = await anyio.to_thread.run_sync(self._take)
-                self._snap = snap or self._snap or {"available": False, "note": "the engine is busy"}
-                self._at = time.monotonic()
+        """Past ttl_s, one refresh starts, and every poll meanwhile waits for it at most ttl_s
+        before taking the last snapshot: a long step delays the picture, never the poll."""
+        if time.monotonic() - self._at >= self.ttl_s and self._refresh is None:
+            self._refresh = asyncio.ensure_future(self._take_in_thread())
+        if self._refresh is not None:
+            await asyncio.wait({self._refresh}, timeout=None if self._snap is None else self.ttl_s)
         return self._snap
+
+    async def _take_in_thread(self) -> None:
+        try:
+            snap = await anyio.to_thread.run_sync(self._take)
+            self._snap = snap or self._snap or {"available": False, "note": "the engine is busy"}
+            self._at = time.monotonic()
+        finally:
+            self._refresh = None
 
     def _take(self) -> dict | None:
         snapshot = getattr(self.engine, "snapshot", None)
