@@ -318,8 +318,9 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
             self._snapshots = []
 
     def _describe(self) -> dict:
+        """(under self._cv, which also guards the requests handed over but not yet scheduled)"""
         return engine_view.describe(self.scheduler, self.blocks, list(self.finished), list(self.step_log),
-                                    self.num_steps, len(self._inbox), time.perf_counter())
+                                    self.num_steps, list(self._inbox), time.perf_counter())
     # --8<-- [end:snapshot]
 
 

@@ -41,13 +41,15 @@ def running_state(r) -> str:
     return "prefill" if r.num_tokens - r.num_computed > 1 else "decode"
 
 
-def describe(scheduler, blocks, finished, step_log, num_steps: int, arriving: int, now: float,
+def describe(scheduler, blocks, finished, step_log, num_steps: int, arriving: list, now: float,
              max_rows: int = MAX_ROWS, max_blocks: int = MAX_BLOCKS) -> dict:
     """The scheduler's queues as rows (running, then waiting, then recently finished), the pool as
-    one owner and one reference count per block, and the recent steps. Read only: the caller
-    makes sure nothing changes meanwhile (the engine loop answers between two steps)."""
+    one owner and one reference count per block, and the recent steps. `arriving`: requests handed
+    to the engine that the scheduler takes at its next step. Read only: the caller makes sure
+    nothing changes meanwhile (the engine loop answers between two steps)."""
     rows = [request_row(r, running_state(r), now) for r in scheduler.running]
-    rows += [request_row(r, "preempted" if r.preemptions else "waiting", now) for r in scheduler.waiting]
+    rows += [request_row(r, "preempted" if r.preemptions else "waiting", now)
+             for r in [*scheduler.waiting, *arriving]]
     rows += [{**row, "ago_s": round(now - t, 2)} for t, row in reversed(finished) if now - t <= FINISHED_KEEP_S]
     shown = min(blocks.num_blocks, max_blocks)
     owner = [-1] * shown
@@ -58,7 +60,7 @@ def describe(scheduler, blocks, finished, step_log, num_steps: int, arriving: in
     cached = getattr(blocks, "content", {}) if blocks.caches_prefixes else {}
     recent = [s for s in step_log if now - s[1] <= RATE_WINDOW_S]
     return {
-        "available": True, "step": num_steps, "waiting": len(scheduler.waiting) + arriving,
+        "available": True, "step": num_steps, "waiting": len(scheduler.waiting) + len(arriving),
         "running": len(scheduler.running), "preemptions": scheduler.num_preemptions,
         "max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "rows": rows[:max_rows], "rows_total": len(rows),

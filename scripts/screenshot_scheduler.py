@@ -129,15 +129,19 @@ def main() -> None:
             while traffic.is_alive() and time.monotonic() < deadline:
                 c = page_counts(driver)
                 # The picture to keep: a full batch decoding, a queue behind it, shared prefix blocks.
-                score = (c["decode"] > 0) + (c["waiting"] > 0) + (c["shared"] > 0) + (c["prefill"] > 0) + \
-                    (c["finished"] > 0) + (c["preempted"] > 0)
+                # The picture to keep: the whole class arrived, a batch decoding, a queue behind it,
+                # shared prefix blocks, and as many of the other states as the moment shows.
+                score = (c["rows"] >= args.students) + (c["decode"] > 0) + (c["waiting"] > 0) + \
+                    (c["shared"] > 0) + (c["prefill"] > 0) + (c["finished"] > 0) + (c["preempted"] > 0)
                 if best is None or score > best:
                     best = score
                     driver.save_screenshot(args.out)
                     print(f"[screenshot] {c} -> {args.out}", flush=True)
-                    if score >= 5:
+                    if score >= 6:
                         break
                 time.sleep(0.25)
+            if traffic.error is not None:
+                raise SystemExit(f"the class's requests failed: {traffic.error!r}")
         finally:
             driver.quit()
 

@@ -120,15 +120,17 @@ def test_the_batch_chart_draws_each_step_once(browser, cb_server):
     times the page polled meanwhile (on a fresh server, exactly K)."""
     k, url = 16, cb_server
     before = httpx.get(f"{url}/engine/scheduler").json()["step"]
+    served = httpx.get(f"{url}/engine/stats").json()["served"]
     browser.get(url + "/")
     wait = WebDriverWait(browser, 60)
-    wait.until(lambda d: d.find_element(By.ID, "step").text == str(before))
+    wait.until(lambda d: d.find_element(By.ID, "served").text == str(served))
     httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": k, "ignore_eos": True}, timeout=60)
-    wait.until(lambda d: d.find_element(By.ID, "step").text == str(before + k))
+    wait.until(lambda d: d.find_element(By.ID, "served").text == str(served + 1))
+    rows = wait.until(lambda d: d.execute_script(   # in one go: the page redraws its rows on every poll
+        "return [...document.querySelectorAll('#requests tbody tr.finished')].map((tr) => tr.textContent);"))
     time.sleep(1.2)   # two more polls: nothing new to draw
     assert len(browser.find_elements(By.CSS_SELECTOR, "#batches div")) == min(before + k, 60)
-    rows = browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr.finished")
-    assert len(rows) == 1 and "length" in rows[0].text   # kept on the page a few seconds after it left
+    assert len(rows) == 1 and "length" in rows[0]   # kept on the page a few seconds after it left
 
 
 def test_the_scheduler_panel_under_thirty_streams(browser, cb_server):

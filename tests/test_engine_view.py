@@ -76,7 +76,7 @@ def test_snapshot_is_bounded(engine):
     reqs = [engine.new_request([7, 8, 9], 3) for _ in range(5)]
     with engine._cv:                                    # the loop may not be stepping while we read
         snap = engine_view.describe(engine.scheduler, engine.blocks, [(time.perf_counter(), {"id": r.id})
-                                    for r in reqs], [], 0, 0, time.perf_counter(), max_rows=2, max_blocks=3)
+                                    for r in reqs], [], 0, [], time.perf_counter(), max_rows=2, max_blocks=3)
     assert len(snap["rows"]) == 2 and snap["rows_total"] == 5
     assert snap["blocks"]["shown"] == 3 and len(snap["blocks"]["owner"]) == 3
     assert snap["blocks"]["total"] == engine.blocks.num_blocks
