@@ -25,7 +25,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from kit import launcher  # noqa: E402
+from kit import engine_view, launcher  # noqa: E402
 
 ENGINE = "13_continuous_batching_engine:ContinuousBatchingEngine"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -107,6 +107,17 @@ def page_counts(driver) -> dict:
                 shared: document.querySelectorAll('#kv-grid .shared').length};""")
 
 
+def save(driver, path: str) -> None:
+    """The window, cut just below the scheduler's panel (the chat box below it is not the picture)."""
+    from PIL import Image
+
+    driver.save_screenshot(path)
+    bottom = driver.execute_script("return (document.getElementById('scheduler').getBoundingClientRect().bottom"
+                                   " + 16) * window.devicePixelRatio;")
+    with Image.open(path) as image:
+        image.crop((0, 0, image.width, min(image.height, int(bottom)))).save(path, optimize=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Screenshot the classroom page's scheduler under 30 streams.")
     parser.add_argument("--model", default=None, help="model folder (default: the book's SmolLM2-135M-Instruct)")
@@ -114,6 +125,7 @@ def main() -> None:
     parser.add_argument("--dark", action="store_true", help="the dark colour scheme")
     parser.add_argument("--students", type=int, default=30)
     parser.add_argument("--kv-memory", default="96MB", help="the KV pool (default 96MB: a grid that fills)")
+    parser.add_argument("--verbose", action="store_true", help="print what the page shows at every look")
     parser.add_argument("--timeout", type=float, default=300, help="seconds to wait for a full picture")
     args = parser.parse_args()
     # A class of 30 on a small engine: 16 run, the rest queue; a 64-token budget chunks the prefills.
@@ -121,6 +133,7 @@ def main() -> None:
                    "--kv-memory", args.kv_memory)
     with launcher.serve_in_subprocess(args.model, engine=ENGINE, device="cpu", args=server_args) as url:
         warm_prefix_cache(url)
+        time.sleep(engine_view.FINISHED_KEEP_S + 1)   # that request has left the page when the class arrives
         driver = browser(args.dark)
         try:
             driver.get(url + "/")
@@ -128,20 +141,24 @@ def main() -> None:
             deadline, best = time.monotonic() + args.timeout, None
             while traffic.is_alive() and time.monotonic() < deadline:
                 c = page_counts(driver)
-                # The picture to keep: a full batch decoding, a queue behind it, shared prefix blocks.
-                # The picture to keep: the whole class arrived, a batch decoding, a queue behind it,
-                # shared prefix blocks, and as many of the other states as the moment shows.
-                score = (c["rows"] >= args.students) + (c["decode"] > 0) + (c["waiting"] > 0) + \
-                    (c["shared"] > 0) + (c["prefill"] > 0) + (c["finished"] > 0) + (c["preempted"] > 0)
+                if args.verbose:
+                    print(f"  {time.strftime('%H:%M:%S')} {c}", flush=True)
+                # The picture to keep: a full batch decoding, a queue behind it, finished requests,
+                # shared prefix blocks, and chunked prefills or preemptions if the moment shows them;
+                # among equals, the one with the most rows.
+                score = (2 * (c["decode"] >= 12) + (c["waiting"] > 0) + 2 * (c["finished"] > 0) + (c["shared"] > 0) +
+                         (c["prefill"] > 0) + (c["preempted"] > 0), c["rows"])
                 if best is None or score > best:
                     best = score
-                    driver.save_screenshot(args.out)
+                    save(driver, args.out)
                     print(f"[screenshot] {c} -> {args.out}", flush=True)
-                    if score >= 6:
+                    if score[0] >= 7:
                         break
                 time.sleep(0.25)
             if traffic.error is not None:
                 raise SystemExit(f"the class's requests failed: {traffic.error!r}")
+            print(f"[screenshot] kept the picture scoring {best[0]} of 8; the class's requests "
+                  f"{'still run' if traffic.is_alive() else 'ended'}", flush=True)
         finally:
             driver.quit()
 
