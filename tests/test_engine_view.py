@@ -106,12 +106,12 @@ def test_the_endpoint_answers_while_thirty_streams_run(engine):
     async def scenario():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            body = {"prompt": "Tell me a story.", "max_tokens": 24, "ignore_eos": True}
+            body = {"prompt": "Tell me a story.", "max_tokens": 120, "ignore_eos": True}   # long enough to be seen
             work = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(30)]
             snaps = []
             while not all(w.done() for w in work):
                 snaps.append((await client.get("/engine/scheduler")).json())
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.05)
             return snaps, [w.result().status_code for w in work]
 
     snaps, codes = asyncio.run(scenario())
