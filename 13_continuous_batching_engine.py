@@ -299,7 +299,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         bounded in size. Read by the engine loop between two steps, or here while the loop sleeps,
         so no step changes what is being read. None if the loop did not answer within timeout_s."""
         with self._cv:
-            if self._thread is None or self._idle:   # nothing is changing the queues now
+            if self._thread in (None, threading.current_thread()) or self._idle:   # nothing changes them now
                 return self._describe()
             answer: list = []
             done = threading.Event()

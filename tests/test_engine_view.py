@@ -50,7 +50,7 @@ def test_snapshot_shows_each_state_and_the_blocks_owners(engine):
     prefix = list(range(100, 148))                      # three full blocks of 16, shared by both
     reqs = [engine.new_request(prefix + [i + 1, i + 2, i + 3], 20) for i in range(3)]
     seen = []
-    engine.on_step = lambda work, events: seen.append(engine._describe())
+    engine.on_step = lambda work, events: seen.append(engine.snapshot())   # the loop thread asks itself
     try:
         streams = engine.submit_all(reqs[:1])
         next(iter(streams[0]))                          # the first's prompt is computed and cached
