@@ -102,7 +102,7 @@ class EngineView:
     async def _take_in_thread(self) -> None:
         try:
             snap = await anyio.to_thread.run_sync(self._take)
-            self._snap = snap or self._snap or {"available": False, "note": "the engine is busy"}
+            self._snap = snap or self._snap or {"available": None, "note": "the engine is busy: no snapshot yet"}
             self._at = time.monotonic()
         finally:
             self._refresh = None

@@ -149,6 +149,7 @@ function drawBlocks(b) {
 async function pollScheduler() {
   try {
     const s = await (await fetch("/engine/scheduler?since=" + lastStep)).json();
+    if (s.available === null) return;   // a first step still running: ask again
     scheduling = !!s.available;
     $("scheduler").hidden = !scheduling;
     if (!scheduling) return;
