@@ -45,7 +45,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kit import plugins
+from kit import engine_view, plugins
 from kit import threads as cpu_threads
 
 engine04 = importlib.import_module("04_engine")
@@ -89,7 +89,11 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         self.speculator = speculator(self) if speculator else None
         self.on_step = None                  # the demo's tracer: called with each step's record
         self.recent_batches: collections.deque = collections.deque(maxlen=64)
+        self.num_steps = 0                   # steps so far: the classroom page polls by step number
+        self.step_log: collections.deque = collections.deque(maxlen=256)    # (step, time, batch, new tokens)
+        self.finished: collections.deque = collections.deque(maxlen=64)     # (time, row) of recent leavers
         self._cv, self._inbox, self._aborts, self._closing = threading.Condition(), [], set(), False
+        self._idle, self._snapshots = False, []   # snapshot(): answered by the loop between two steps
         self._thread: threading.Thread | None = None
         self._by_id: dict[int, Request] = {}
     # --8<-- [end:init]
@@ -126,7 +130,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         else:
             runs = [None if t is None else [t] for t in self.runner.step(work.requests, work.starts,
                                                                          work.lengths, places)]
-        now, events = time.perf_counter(), []
+        now, events, generated = time.perf_counter(), [], 0
         for r, n, run in zip(work.requests, work.lengths, runs):
             if run is None:                       # a prefill's middle chunk predicts nothing yet
                 r.num_computed += n
@@ -137,6 +141,7 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
                     if r.finish_reason:           # a stop, EOS or the budget can cut a run short
                         break
                 r.num_computed = r.num_tokens - 1     # every token but the newest has its K/V now
+                generated += len(pieces)
                 events.append((r, engine04.contracts.join_pieces(pieces)))
             self.blocks.cache_computed(r.id, r.tokens(0, r.num_computed))   # a prefix cache publishes full blocks
             if r.finish_reason:
@@ -144,6 +149,8 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
             elif self.blocks.lengths[r.id] > r.num_tokens:
                 self.blocks.truncate(r.id, r.num_tokens)   # slots of rejected guesses go back
         self.recent_batches.append(len(work.requests))
+        self.num_steps += 1
+        self.step_log.append((self.num_steps, now, len(work.requests), generated))
         if self.on_step:
             self.on_step(work, events)
         return events
@@ -152,6 +159,8 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
     def _leave(self, r: Request) -> None:
         """r is done or aborted: out of the scheduler, and of the drafter's memory."""
         self.scheduler.finish(r)
+        now = time.perf_counter()   # the classroom page shows it a few seconds more
+        self.finished.append((now, engine_view.request_row(r, "finished", now)))
         if self.speculator:
             self.speculator.release(r)
 
@@ -193,10 +202,13 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
         """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
         while True:
             with self._cv:
+                self._answer_snapshots()          # between two steps: queues and blocks hold still
                 if not self._has_work():
                     cpu_threads.release_idle_workers()   # idle: whoever computes next has the cores alone
+                self._idle = True                 # while it waits, snapshot() may read the state itself
                 while not self._has_work():
                     self._cv.wait()
+                self._idle = False
                 if self._closing:                 # under the lock: no new loop starts meanwhile
                     closed = RuntimeError("the engine was closed")
                     for r in self._inbox:
@@ -282,6 +294,38 @@ class ContinuousBatchingEngine(engine11.PagedEngine):
                 "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
                 "batch_sizes": list(self.recent_batches),
                 **({"prefix_cache_hit_rate": round(self.blocks.hit_rate, 4)} if self.prefix_caching else {})}
+
+
+    # --8<-- [start:snapshot]
+    def snapshot(self, timeout_s: float = 10.0) -> dict | None:
+        """The scheduler's state for the classroom page (kit/engine_view.py): each request's state,
+        TTFT and tokens, each KV block's owner and reference count, the recent steps. Plain dicts,
+        bounded in size. Read by the engine loop between two steps, or here while the loop sleeps,
+        so no step changes what is being read. None if the loop did not answer within timeout_s."""
+        with self._cv:
+            if self._thread in (None, threading.current_thread()) or self._idle:   # nothing changes them now
+                return self._describe()
+            answer: list = []
+            done = threading.Event()
+            self._snapshots.append((done, answer))
+            self._cv.notify()
+        done.wait(timeout_s)
+        return answer[0] if answer else None
+
+    def _answer_snapshots(self) -> None:
+        """The loop, between two steps (under self._cv): answer whoever asked for a snapshot."""
+        if self._snapshots:
+            snap = self._describe()
+            for done, answer in self._snapshots:
+                answer.append(snap)
+                done.set()
+            self._snapshots = []
+
+    def _describe(self) -> dict:
+        """(under self._cv, which also guards the requests handed over but not yet scheduled)"""
+        return engine_view.describe(self.scheduler, self.blocks, list(self.finished), list(self.step_log),
+                                    self.num_steps, list(self._inbox), time.perf_counter())
+    # --8<-- [end:snapshot]
 
 
 class RequestStream:

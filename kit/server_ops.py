@@ -15,7 +15,7 @@ in one place that `make_app` installs with one call:
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - One access-log line per request (never the prompt text; control characters escaped).
-- The classroom page at GET / (static/), fed by GET /engine/stats.
+- The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler.
 - `LazyApp`, so that `uvicorn 05_server:app` loads the model when it starts, not at import.
 
 One ASGI middleware times every request at the HTTP boundary, and the endpoints tell it the
@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from starlette.concurrency import run_in_threadpool
 
-from kit import cli
+from kit import cli, engine_view
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -318,6 +318,7 @@ class ServerOps:
         @app.get("/engine/stats")
         async def engine_stats():
             return self.snapshot()
+        engine_view.install(app, engine)   # GET /engine/scheduler: requests, KV blocks, steps (Chapter 9)
 
         @app.get("/", include_in_schema=False)
         async def page():
@@ -397,9 +398,9 @@ class ServerOps:
 
     def authorized(self, headers: dict[bytes, bytes], path: str) -> bool:
         """The key this path needs, if any: the API key for /v1/*; the metrics key (or else the API
-        key) for /metrics and /engine/stats, which tell how busy the server is and what it runs."""
+        key) for /metrics, /engine/stats and /engine/scheduler, which tell how busy the server is and what it runs."""
         key = self.api_key if path.startswith("/v1/") else \
-            (self.metrics_key or self.api_key) if path in ("/metrics", "/engine/stats") else None
+            (self.metrics_key or self.api_key) if path in ("/metrics", "/engine/stats", "/engine/scheduler") else None
         if not key:
             return True
         scheme, _, given = headers.get(b"authorization", b"").partition(b" ")

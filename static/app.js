@@ -1,4 +1,5 @@
-// The classroom page: a chat box that streams, and a panel polling /engine/stats.
+// The classroom page: a chat box that streams, a panel polling /engine/stats and, for an engine
+// with a scheduler, the scheduler's requests and KV blocks from /engine/scheduler.
 "use strict";
 const $ = (id) => document.getElementById(id);
 const HISTORY = 60;              // bars in the batch-size chart
@@ -59,23 +60,112 @@ function describeFeatures(features) {
   }).join(" · ");
 }
 
+// The batch-size chart: one bar per engine step, each step drawn once. The page asks for the steps
+// after the last one it has (?since=), so a poll never brings back history it already drew.
+let lastStep = -1, scheduling = null;   // null: not known yet (the first answers may come in any order)
+
+function drawBars() {
+  batches.splice(0, Math.max(0, batches.length - HISTORY));
+  const top = Math.max(1, ...batches);
+  $("batches").replaceChildren(...batches.map((b) => {
+    const bar = document.createElement("div"); bar.style.height = (100 * b / top) + "%"; bar.title = b; return bar;
+  }));
+}
+
 async function poll() {
   try {
-    const s = await (await fetch("/engine/stats")).json();
+    const s = await (await fetch("/engine/stats", { headers: headers() })).json();
     $("engine-name").textContent = s.engine;
     if (s.features) { $("features").hidden = false; $("features").textContent = describeFeatures(s.features); }
     for (const k of ["waiting", "running", "served"]) $(k).textContent = s[k];
     $("tokens-per-s").textContent = s.tokens_per_s; $("window").textContent = s.window_s;
     if (s.kv_blocks_used !== undefined) { $("kv").hidden = false; $("kv-blocks").textContent = s.kv_blocks_used; }
-    // An engine that batches reports its recent steps; the queue-based server's batch is who runs now.
-    const recent = Array.isArray(s.batch_sizes) ? s.batch_sizes : [s.running];
-    batches.push(...recent); batches.splice(0, Math.max(0, batches.length - HISTORY));
-    const top = Math.max(1, ...batches);
-    $("batches").replaceChildren(...batches.map((b) => {
-      const bar = document.createElement("div"); bar.style.height = (100 * b / top) + "%"; bar.title = b; return bar;
-    }));
+    if (scheduling === false) { batches.push(s.running); drawBars(); }   // no steps to show: who runs now, sampled
   } catch (e) { /* the server restarting: try again on the next tick */ }
 }
 
+// The scheduler (Chapter 9's engine): a row per request, the KV pool as a grid coloured by owner.
+const STATES = { waiting: "waiting", prefill: "prefill", decode: "decode", preempted: "preempted", finished: "finished" };
+// A request's colour: golden-angle hues, so neighbouring ids get distant ones, in three shades
+// (hues alone repeat too closely for thirty requests).
+function paint(el, id) {
+  el.style.setProperty("--hue", Math.round((id * 137.508) % 360));
+  el.style.setProperty("--shade", (id % 3 - 1) * 12 + "%");
+}
+
+function stateCell(row) {
+  const td = document.createElement("td"), badge = document.createElement("span");
+  badge.className = "state " + (STATES[row.state] || "waiting");
+  badge.textContent = row.state === "finished" ? (row.finish_reason || "aborted") : row.state;
+  td.append(badge);
+  if (row.state === "prefill") {   // chunk by chunk: how much of its prompt has K/V already
+    const bar = document.createElement("progress");
+    bar.max = row.total; bar.value = row.computed; bar.title = row.computed + " / " + row.total + " tokens";
+    const n = document.createElement("span"); n.className = "progress"; n.textContent = row.computed + "/" + row.total;
+    td.append(bar, n);
+  }
+  if (row.preemptions) td.append(" ↺" + row.preemptions);
+  return td;
+}
+
+function drawRows(s) {
+  $("requests").tBodies[0].replaceChildren(...s.rows.map((row) => {
+    const tr = document.createElement("tr");
+    tr.className = row.state; tr.dataset.id = row.id;
+    const id = document.createElement("td"), swatch = document.createElement("i");
+    swatch.className = "swatch"; paint(swatch, row.id);
+    id.append(swatch, "r" + row.id);
+    const cell = (text) => { const td = document.createElement("td"); td.textContent = text; return td; };
+    tr.append(id, stateCell(row), cell(row.prompt_tokens + (row.cached_tokens ? " (" + row.cached_tokens + " cached)" : "")),
+              cell(row.tokens + " / " + row.budget), cell(row.ttft_ms === null ? "-" : Math.round(row.ttft_ms) + " ms"));
+    return tr;
+  }));
+  $("rows-note").hidden = s.rows_total <= s.rows.length;
+  $("rows-note").textContent = "showing " + s.rows.length + " of " + s.rows_total + " requests";
+}
+
+function drawBlocks(b) {
+  const grid = $("kv-grid");
+  if (grid.children.length !== b.shown) {   // cells are made once and restyled on every poll
+    grid.style.setProperty("--cell", (b.shown > 1024 ? 9 : b.shown > 256 ? 14 : 22) + "px");   // a pool fits a screen
+    grid.replaceChildren(...Array.from({ length: b.shown }, () => document.createElement("i")));
+  }
+  const owners = b.owner;
+  for (let i = 0; i < b.shown; i++) {
+    const cell = grid.children[i], o = owners[i], refs = b.refs[i], cached = b.cached.length ? b.cached[i] : 0;
+    const cls = "kv" + (o >= 0 ? " owned" : "") + (refs > 1 ? " shared" : "") + (o < 0 && cached ? " cached" : "");
+    if (cell.className !== cls) cell.className = cls;
+    if (o >= 0) { paint(cell, o); cell.dataset.owner = o; }
+    else { delete cell.dataset.owner; }
+    cell.title = "block " + i + (o >= 0 ? ": r" + o + (refs > 1 ? ", " + refs + " requests" : "") : cached ? ": cached" : ": free");
+  }
+  const used = owners.filter((o) => o >= 0).length;
+  $("kv-summary").textContent = (b.total - b.free) + " of " + b.total + " blocks in use · " + b.block_size +
+    " tokens each" + (b.prefix_caching ? " · prefix caching on" : "");
+  $("kv-note").hidden = b.shown === b.total;
+  $("kv-note").textContent = "drawing the first " + b.shown + " of " + b.total + " blocks (" + used + " of them in use)";
+}
+
+async function pollScheduler() {
+  try {
+    const s = await (await fetch("/engine/scheduler?since=" + lastStep, { headers: headers() })).json();
+    if (s.available === null) return;   // a first step still running: ask again
+    scheduling = !!s.available;
+    $("scheduler").hidden = !scheduling;
+    if (!scheduling) return;
+    if (s.step < lastStep) { lastStep = -1; batches.length = 0; }   // a new server: start the chart again
+    for (const [n, size] of s.steps) if (n > lastStep) { batches.push(size); lastStep = n; }
+    $("batches-title").textContent = "batch size of the last " + HISTORY + " steps";
+    drawBars();
+    $("step").textContent = s.step; $("steps-per-s").textContent = s.steps_per_s;
+    $("gen-per-s").textContent = s.tokens_per_s;
+    $("sched-running").textContent = s.running + " / " + s.max_num_seqs;
+    $("sched-waiting").textContent = s.waiting; $("sched-preemptions").textContent = s.preemptions;
+    drawRows(s); drawBlocks(s.blocks);
+  } catch (e) { /* as above */ }
+}
+
 $("ask").addEventListener("submit", (e) => { e.preventDefault(); ask($("prompt").value); });
-poll(); setInterval(poll, 500);
+// Twice a second; the next poll starts when this one has ended, so a slow server never piles them up.
+async function tick() { await Promise.all([pollScheduler(), poll()]); setTimeout(tick, 500); }
+tick();

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import shutil
 import threading
 import time
 
+import httpx
 import pytest
 
 from conftest import REPO_ROOT, load_script
@@ -91,3 +93,63 @@ def test_page_shows_the_engines_features(browser, tiny_engine):
             lambda d: d.find_element(By.ID, "features").is_displayed() and d.find_element(By.ID, "features"))
         assert line.text == ("quant int8 · prefix caching · kv memory 512 MiB · block size 16 · "
                              "max num seqs 32 · max num batched tokens 256")
+
+
+def screenshot_script():
+    """scripts/screenshot_scheduler.py, which sends a class's traffic (the book's screenshot uses it too)."""
+    spec = importlib.util.spec_from_file_location("screenshot_scheduler", REPO_ROOT / "scripts/screenshot_scheduler.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CB_ENGINE = "13_continuous_batching_engine:ContinuousBatchingEngine"
+
+
+@pytest.fixture(scope="module")
+def cb_server(tiny_model_dir):
+    """Chapter 9's engine behind the server, small enough that thirty requests queue and share blocks."""
+    args = ("--prefix-caching", "--kv-memory", "2MB", "--max-num-seqs", "16", "--max-num-batched-tokens", "128")
+    with launcher.serve_in_subprocess(str(tiny_model_dir), engine=CB_ENGINE, device="cpu",
+                                      env={"OMP_NUM_THREADS": "1"}, args=args) as url:
+        yield url
+
+
+def test_the_batch_chart_draws_each_step_once(browser, cb_server):
+    """One request of K tokens is K steps (one prefill, K - 1 decodes): K more bars, however many
+    times the page polled meanwhile (on a fresh server, exactly K)."""
+    k, url = 16, cb_server
+    before = httpx.get(f"{url}/engine/scheduler").json()["step"]
+    served = httpx.get(f"{url}/engine/stats").json()["served"]
+    browser.get(url + "/")
+    wait = WebDriverWait(browser, 60)
+    wait.until(lambda d: d.find_element(By.ID, "served").text == str(served))
+    httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": k, "ignore_eos": True}, timeout=60)
+    wait.until(lambda d: d.find_element(By.ID, "served").text == str(served + 1))
+    rows = wait.until(lambda d: d.execute_script(   # in one go: the page redraws its rows on every poll
+        "return [...document.querySelectorAll('#requests tbody tr.finished')].map((tr) => tr.textContent);"))
+    time.sleep(1.2)   # two more polls: nothing new to draw
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#batches div")) == min(before + k, 60)
+    assert len(rows) == 1 and "length" in rows[0]   # kept on the page a few seconds after it left
+
+
+def test_the_scheduler_panel_under_thirty_streams(browser, cb_server):
+    """Thirty students' streams at once: a row per request, the KV grid coloured by its owners,
+    the class's shared system prompt as blocks with several owners (prefix caching)."""
+    script, url = screenshot_script(), cb_server
+    script.warm_prefix_cache(url)
+    browser.get(url + "/")
+    wait = WebDriverWait(browser, 30, poll_frequency=0.1)
+    wait.until(lambda d: d.find_element(By.ID, "scheduler").is_displayed())
+    traffic = script.class_traffic(url, 30, max_tokens=lambda i: 150 + 5 * i)
+    seen = wait.until(lambda d: (lambda c: c if c["rows"] >= 20 and c["waiting"] and c["decode"]
+                                 and c["shared"] else None)(script.page_counts(d)))
+    owners = browser.execute_script(
+        "return [[...document.querySelectorAll('#kv-grid [data-owner]')].map((e) => e.dataset.owner),"
+        " [...document.querySelectorAll('#requests tbody tr')].map((tr) => tr.dataset.id)];")
+    assert owners[0] and set(owners[0]) <= set(owners[1]), owners   # every coloured block is a listed request's
+    assert browser.find_element(By.ID, "sched-running").text.endswith("/ 16")
+    if SCREENSHOT:
+        browser.save_screenshot(str(REPO_ROOT / SCREENSHOT).replace(".png", "-scheduler.png"))
+    traffic.join(60)
+    assert not traffic.is_alive() and all(n > 10 for n in traffic.events), seen

@@ -290,7 +290,7 @@ def test_a_stream_whose_client_left_is_a_499_with_its_tokens(tiny_engine):
 def test_metrics_and_stats_need_a_key_when_the_api_has_one(tiny_engine):
     bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731
     with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
-        for path in ("/metrics", "/engine/stats"):
+        for path in ("/metrics", "/engine/stats", "/engine/scheduler"):
             assert c.get(path).status_code == 401
             assert c.get(path, headers=bearer("k")).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
