@@ -132,15 +132,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # --8<-- [start:compiled]
 class Compiled:
-    """fn under torch.compile (shapes dynamic: one kernel serves every batch size), or fn itself
-    where no compiler works here: the first failure is reported once and the eager op stays."""
+    """fn under torch.compile, or fn itself where no compiler works here: the first failure is
+    reported once and the eager op stays. Shapes start static; a dimension seen at a second
+    size becomes a symbol, so one kernel then serves every batch (see warm_up)."""
 
     def __init__(self, fn, enabled: bool = True):
         self.fn, self.name = fn, fn.__name__
         # Two sizes that happen to be equal while tracing (a batch of 2 rows, 2 KV heads) would
         # otherwise be assumed equal forever, and the kernel rebuilt the first time they differ.
         torch.fx.experimental._config.use_duck_shape = False
-        self.compiled = torch.compile(fn, dynamic=True) if enabled else None
+        self.compiled = torch.compile(fn) if enabled else None
 
     def __call__(self, *args):
         if self.compiled is not None:
@@ -236,15 +237,22 @@ class CompiledModel(model10.LlamaModel):
 
     # --8<-- [start:warm-up]
     def warm_up(self, pool) -> float:
-        """Compile before serving: a prefill and decode steps of one and two rows on the first
-        blocks of an idle pool (shapes 1 and >1 are the only ones the compiler tells apart).
+        """Compile before serving, on the first blocks of an idle pool. Each kernel is traced at
+        two sizes, so the compiler learns which dimensions vary (tokens, rows, blocks per row)
+        and keeps the model's own (heads, head_dim, hidden) as constants it can vectorise over;
+        one token and one row are sizes it always treats apart, so they are warmed too.
         Returns the seconds it took; later runs load the kernels from inductor's disk cache."""
         start, bs = time.perf_counter(), pool.block_size
-        tables = [[0, 1], [2, 3]] if pool.num_blocks >= 4 else [[0], [0]]
-        for ids, starts in (([[1, 2, 3], [4, 5, 6]], [0, 0]), ([[7], [8]], [3, 3]), ([[9]], [4])):
-            n = len(ids)
-            if max(s + len(t) for s, t in zip(starts, ids)) <= bs * len(tables[0]):
-                self.forward(pool.batch(ids, tables[:n], starts, self.device), pool)
+        if pool.num_blocks < 9:
+            raise ValueError(f"warming up needs a pool of 9 blocks or more, this one has {pool.num_blocks}")
+        tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+        steps = [([[1, 2, 3], [4, 5, 6]], [0, 0]),                 # prefills: 6 tokens, then 9
+                 ([[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 0]),
+                 ([[1], [2]], [bs, bs]),                           # decodes: 2 rows of 2 blocks,
+                 ([[1], [2], [3]], [2 * bs, 2 * bs, 2 * bs]),      # 3 rows of 3, one row
+                 ([[1]], [bs])]
+        for ids, starts in steps:
+            self.forward(pool.batch(ids, tables[:len(ids)], starts, self.device), pool)
         for k, v in zip(pool.k, pool.v):   # leave the pool as it was found: zeros
             k.zero_()
             v.zero_()
@@ -288,7 +296,7 @@ def generated_kernel(fn=silu_mul, *example) -> str:
     from torch._inductor.utils import run_and_get_code
 
     example = example or (torch.randn(4, 2 * 1536),)
-    _, sources = run_and_get_code(torch.compile(fn, dynamic=True), *example)
+    _, sources = run_and_get_code(torch.compile(fn), *example)
     quotes = "'" * 3       # each kernel's source sits in an r-string of the generated module
     kernels = [part.split(quotes)[0] for part in sources[0].split("r" + quotes)[1:]]
     return "\n".join(kernels).strip()
@@ -297,7 +305,7 @@ def generated_kernel(fn=silu_mul, *example) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 13: eager vs compiled, on the same weights.")
-    cli.add_model_flags(parser, device=False)
+    cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--context", type=cli.integer(1, 4000), default=256, help="tokens each decode row has cached")
     parser.add_argument("--rounds", type=cli.integer(1, 100), default=5, help="timed steps per setting (best kept)")
     parser.add_argument("--show-kernel", action="store_true", help="only print the C++ generated for SiLU·mul")

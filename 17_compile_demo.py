@@ -76,7 +76,7 @@ def attention(model, pool, batch):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 13: a decode step taken apart, eager vs compiled.")
-    cli.add_model_flags(parser, device=False)
+    cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--formats", nargs="+", choices=("none", "bf16", "int8", "int4"),
                         default=["none", "bf16", "int8", "int4"], help="weight formats (none: float32)")
     parser.add_argument("--batch-sizes", nargs="+", type=cli.integer(1, 64), default=[1, 32])
