@@ -43,6 +43,7 @@ from kit import threads as cpu_threads
 setup = importlib.import_module("01_setup")
 model10 = importlib.import_module("10_model")
 paged = importlib.import_module("11_paged_kv")
+cb13 = importlib.import_module("13_continuous_batching_engine")
 quant16 = importlib.import_module("16_quantization")
 
 
@@ -159,15 +160,18 @@ class Compiled:
 class CompiledModel(model10.LlamaModel):
     """Chapter 6's forward with packed weights, fused glue and paged decode attention.
 
-    Decode rows of a paged batch attend through their block tables; prefill chunks (many
-    queries per row, where a copy is cheap next to the work) keep Chapter 6's SDPA path.
+    With paged_attention, decode rows of a paged batch attend in place through their block
+    tables; every other part (prefill chunks, verifications, a cache of rows) keeps Chapter 6's
+    copy-then-SDPA path.
     """
 
     compiled = True    # engines report it in features()
 
     @classmethod
-    def from_model(cls, model: model10.LlamaModel, enabled: bool = True) -> CompiledModel:
+    def from_model(cls, model: model10.LlamaModel, enabled: bool = True,
+                   paged_attention: bool = False) -> CompiledModel:
         compiled = cls(model.config, packed_weights(model))
+        compiled.paged_attention = paged_attention   # off: measured slower here (17_compile_demo.py)
         for attr in ("quant", "group_size", "head"):           # a Chapter 12 model's description
             if hasattr(model, attr):
                 setattr(compiled, attr, getattr(model, attr))
@@ -189,7 +193,7 @@ class CompiledModel(model10.LlamaModel):
         outs = []
         for rows, tokens, part in batch.parts:
             tables = getattr(batch, "block_tables", None)
-            if tables is not None and max(part.lengths) == 1:
+            if tables is not None and max(part.lengths) == 1 and self.paged_attention:
                 outs.append(self._decode(i, q[tokens], tables[rows], part, cache))
                 continue
             if tables is not None:   # a prefill part: its own rows' blocks, copied for SDPA
@@ -260,11 +264,21 @@ class CompiledModel(model10.LlamaModel):
     # --8<-- [end:warm-up]
 
 
-def compile_model(model: model10.LlamaModel, enabled: bool = True) -> CompiledModel:
-    """The plugin engines find by name: model -> the same model, compiled (kit/plugins.py)."""
+def compile_model(model: model10.LlamaModel, enabled: bool = True, paged_attention: bool = False) -> CompiledModel:
+    """The plugin engines find by name: model -> the same model, compiled (kit/plugins.py).
+    paged_attention: decode rows attend in place through the compiled kernel above, instead
+    of Chapter 7's copy and SDPA; off by default, since on the CPUs measured it was slower."""
     if not isinstance(model, model10.LlamaModel):
         raise ValueError(f"compile works on a LlamaModel, got {type(model).__name__}")
-    return CompiledModel.from_model(model, enabled)
+    return CompiledModel.from_model(model, enabled, paged_attention)
+
+
+class CompiledEngine(cb13.ContinuousBatchingEngine):
+    """Chapter 9's assembled engine with compile=True: its own name, so that one benchmark run
+    can put it beside the eager engine (`--engine 17_compile:CompiledEngine`)."""
+
+    def __init__(self, *args, compile: bool = True, **kwargs):
+        super().__init__(*args, compile=compile, **kwargs)
 
 
 # ---------------------------------------------------------------- the demonstration
@@ -309,6 +323,8 @@ def main() -> None:
     parser.add_argument("--context", type=cli.integer(1, 4000), default=256, help="tokens each decode row has cached")
     parser.add_argument("--rounds", type=cli.integer(1, 100), default=5, help="timed steps per setting (best kept)")
     parser.add_argument("--show-kernel", action="store_true", help="only print the C++ generated for SiLU·mul")
+    parser.add_argument("--thread-counts", nargs="+", type=cli.integer(1, 256), metavar="N",
+                        help="time every step at each of these thread counts (default: the current one)")
     args = parser.parse_args()
     if args.show_kernel:
         with torch.inference_mode():
@@ -351,10 +367,13 @@ def main() -> None:
     print(f"\n[one step, ms, best of {args.rounds}]  eager and compiled alternate, same pool, same batch")
     settings = [(f"decode, batch {b}, {args.context} cached", decode_batch(pool, b, args.context)) for b in (1, 8, 32)]
     settings.append(("prefill, 500 tokens", pool.batch([[1] * 500], [list(range(32))], [0], "cpu")))
+    counts = args.thread_counts or [torch.get_num_threads()]
     for label, batch in settings:
-        e = time_step(eager, pool, batch, args.rounds)
-        k = time_step(compiled, pool, batch, args.rounds)
-        print(f"  {label:<28} eager {e:7.1f}   compiled {k:7.1f}   {e / k:4.2f}x")
+        for threads in counts:     # thread counts alternate too: a neighbour's load hits all alike
+            torch.set_num_threads(threads)
+            e = time_step(eager, pool, batch, args.rounds)
+            k = time_step(compiled, pool, batch, args.rounds)
+            print(f"  {label:<28} {threads} thr  eager {e:7.1f}   compiled {k:7.1f}   {e / k:4.2f}x", flush=True)
 
 
 if __name__ == "__main__":

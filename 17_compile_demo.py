@@ -65,6 +65,26 @@ def attention(model, pool, batch):
     q = torch.randn(len(batch.token_ids), c.num_heads, c.head_dim)
     if isinstance(model, compile17.CompiledModel):
         return lambda: [model.attention_of(i, q, batch, pool) for i in range(c.num_layers)]
+    return copy_then_sdpa(model, pool, batch, q)
+
+
+def in_place(model, pool, batch):
+    """The same attention through the compiled paged kernel, reading blocks where they lie."""
+    c, was = model.config, model.paged_attention
+    q = torch.randn(len(batch.token_ids), c.num_heads, c.head_dim)
+
+    def run():
+        model.paged_attention = True
+        try:
+            for i in range(c.num_layers):
+                model.attention_of(i, q, batch, pool)
+        finally:
+            model.paged_attention = was
+    return run
+
+
+def copy_then_sdpa(model, pool, batch, q):
+    c = model.config
 
     def eager():
         for i in range(c.num_layers):
@@ -74,6 +94,7 @@ def attention(model, pool, batch):
 # --8<-- [end:parts]
 
 
+@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 13: a decode step taken apart, eager vs compiled.")
     cli.add_model_flags(parser, device=False, threads=True)
@@ -89,7 +110,7 @@ def main() -> None:
     bandwidth = roofline.measure_bandwidth(torch.device("cpu"))
     print(f"[{cpu_threads.cpu_name()}]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
     print(f"{'format':<8}{'batch':>6}  {'mode':<9}{'step':>8}{'matmuls':>9}{'attention':>10}{'rest':>8}"
-          f"{'floor':>8}   ms")
+          f"{'floor':>8}{'in place':>10}   ms")
     rows = []
     for quant in args.formats:
         eager = runner10.load_model(folder, quant=None if quant == "none" else quant)
@@ -106,11 +127,13 @@ def main() -> None:
                 step = best_ms(lambda: model.forward(batch, pool), args.rounds)
                 mm = best_ms(matmuls(model, b), args.rounds)
                 att = best_ms(attention(model, pool, batch), args.rounds)
+                paged_ms = best_ms(in_place(model, pool, batch), args.rounds) if model is compiled else None
                 rows.append({"format": quant.replace("none", "float32"), "batch": b, "mode": mode, "step": step,
-                             "matmuls": mm, "attention": att, "rest": max(step - mm - att, 0.0), "floor": floor})
+                             "matmuls": mm, "attention": att, "rest": max(step - mm - att, 0.0), "floor": floor,
+                             "in_place": paged_ms})
                 r = rows[-1]
                 print(f"{r['format']:<8}{b:>6}  {mode:<9}{step:>8.1f}{mm:>9.1f}{att:>10.1f}{r['rest']:>8.1f}"
-                      f"{floor:>8.1f}", flush=True)
+                      f"{floor:>8.1f}" + (f"{paged_ms:>10.1f}" if paged_ms else ""), flush=True)
         print(f"  {rows[-4]['format']}: compiled step {rows[-4]['step'] / rows[-3]['step']:.2f}x eager at batch "
               f"{args.batch_sizes[0]}, {rows[-2]['step'] / rows[-1]['step']:.2f}x at batch {args.batch_sizes[-1]}")
     if args.plot:
