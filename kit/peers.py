@@ -18,11 +18,13 @@ throughput lines (output tokens/s, requests/s, wall time) and none of its latenc
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ PEERS = ("vllm",)
 DEFAULT_VENV = "/tmp/peers/vllm"
 # Engine keywords vLLM's script can mirror, and its flag for each; any other is not passed on.
 MIRRORED = {"prefix_caching": "--prefix-caching", "max_num_batched_tokens": "--max-num-batched-tokens"}
+PR_SET_PDEATHSIG = 1
 _WORKLOAD_LINE = re.compile(r"workload: (\d+) requests, output tokens/s median ([0-9.]+) \(runs \[([^\]]*)\]\)")
 
 
@@ -105,18 +108,27 @@ def parse_rates(stdout: str, n: int) -> tuple[float, list[float]]:
     return median, runs
 
 
+def _die_with_parent() -> None:
+    """In the child, before vLLM starts (Linux): the kernel kills it when the benchmark dies,
+    however it dies (a kill, not only a Ctrl-C), rather than leave it computing on a shared machine."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_process(command: list[str], env: dict, timeout_s: float) -> str:
-    """Run to the end and return stdout. In its own process group, so that a timeout, a Ctrl-C or
-    any error here kills vLLM and whatever it started, rather than leaving it computing."""
-    proc = subprocess.Popen(command, env=env, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """Run to the end and return stdout. A timeout, a Ctrl-C or any error here kills vLLM. It stays
+    in our process group, so whoever stops the benchmark's group stops vLLM too."""
+    proc = subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise PeerFailed(f"vLLM took longer than {timeout_s:g} s (--peer-timeout)") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.communicate()
     if proc.returncode != 0:
         tail = "\n".join(stderr.strip().splitlines()[-12:])
@@ -186,6 +198,7 @@ def find(name: str, venv: str | None, model: str, threads: int, timeout_s: float
     return VllmPeer(venv_dir(venv), model, threads, timeout_s, dict(options), tokenizer)
 
 
+# --8<-- [start:run-peer]
 def run_peer(peer: VllmPeer, items: list[WorkItem], params, bar) -> tuple[list, float]:
     """The benchmark's runner for the peer: every request at once, as vLLM's LLM.generate takes them.
 
@@ -203,6 +216,7 @@ def run_peer(peer: VllmPeer, items: list[WorkItem], params, bar) -> tuple[list, 
         bar.update(len(items))
     count = (lambda text: len(peer.tokenizer(text).input_ids)) if peer.tokenizer else (lambda text: 0)
     return [RequestRecord(None, count(w.prompt), w.max_new_tokens) for w in items], seconds
+# --8<-- [end:run-peer]
 
 
 def ratio_lines(all_stats: list[BenchStats], peer_name: str) -> list[str]:

@@ -193,8 +193,8 @@ CAPTURES = [
         "python 18_tensor_parallel_scaling.py --measure --threads 1 --plot book/assets/ch14-scaling.png",
     ], timeout_s=900),
     # vLLM's CPU build beside our assembled engine, on the same 32 requests (its own venv; see kit/peers.py)
-    Capture("06_benchmark_offline_vllm", [
-        "python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
+    Capture("06_benchmark_offline_vllm", [   # one thread each: on the shared capture machine two mostly wait
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
         " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm",
     ], timeout_s=3600, peer=True),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)

@@ -446,7 +446,7 @@ def test_peer_row_ratio_and_workload_match_our_requests(mixed_world, fake_vllm, 
     result = offline.main(["--workload", "mixed", "--num-prompts", "4", "--runs", "2", "--warmup", "1",
                            "--ignore-eos", "--engine", "fake:FakeSubmitEngine", "--model", fake_vllm["model"],
                            "--peer", "vllm", "--peer-venv", fake_vllm["venv"], "--prefix-caching",
-                           "--json", str(out)])
+                           "--json", str(out), "--plot", str(tmp_path / "res.png")])
     ours, vllm = result["stats"]
     calls = fake_vllm["calls"]()
     assert len(calls) == 2                                  # one vLLM run per measured run, no warm-up run
@@ -473,6 +473,7 @@ def test_peer_row_ratio_and_workload_match_our_requests(mixed_world, fake_vllm, 
     saved = json.loads(out.read_text())
     assert [r["stats"]["name"] for r in saved["results"]] == ["FakeSubmitEngine", "vLLM"]
     assert saved["config"]["peer"]["prefix_caching"] is True and len(saved["config"]["peer"]["printed"]) == 2
+    assert (tmp_path / "res.png").read_bytes()[:4] == b"\x89PNG"   # vLLM's bar, and an empty latency box
 
 
 def test_peer_takes_turns_with_our_engines(mixed_world, fake_vllm, monkeypatch):
