@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -530,3 +531,14 @@ def test_peer_output_is_parsed_or_refused():
         peers.parse_rates(line, 4)
     with pytest.raises(peers.PeerFailed, match="no 'workload:' line"):
         peers.parse_rates("Traceback ...", 3)
+
+
+def test_peer_scripts_are_found_beside_the_repository_or_where_peers_dir_says(tmp_path, monkeypatch):
+    from kit import peers
+
+    monkeypatch.delenv("PEERS_DIR", raising=False)
+    assert peers.peers_dir() == workloads.REPO_ROOT.parent / "shared" / "peers"   # ../shared/peers
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path))
+    assert "Set PEERS_DIR to the folder" in peers.missing(str(tmp_path))          # no vllm_offline.py there
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path / "elsewhere"))
+    assert peers.venv_dir() == tmp_path / "elsewhere" and peers.venv_dir("/x") == Path("/x")
