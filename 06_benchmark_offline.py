@@ -25,6 +25,13 @@ that last as long as their largest budget; any other engine runs them one by one
 The engine's feature flags (`--quant`, `--prefix-caching`, `--kv-memory`, `--max-num-seqs`, ...,
 the same as 05_server.py's) become constructor keywords of every engine named: an engine
 without that feature is refused in one line rather than measured without it.
+
+`--peer vllm` adds vLLM's CPU build as one more row, run in its own venv on the same model
+folder and the same requests, alternating with our engines run by run (kit/peers.py;
+install it once with `bash ../shared/peers/install_vllm.sh /tmp/peers/vllm`):
+
+    python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos \\
+        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm
 """
 
 from __future__ import annotations
@@ -36,12 +43,14 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from tqdm import tqdm
 
-from kit import bench, cli
+from kit import bench, cli, peers
 from kit.bench import RequestRecord
 from kit.workloads import WorkItem, load_prompts, mixed_workload
 
+setup = importlib.import_module("01_setup")
 engine_mod = importlib.import_module("04_engine")
 SamplingParams = importlib.import_module("03_contracts").SamplingParams
 
@@ -135,7 +144,7 @@ def measure(engines: list, runners: list, items: list[list[WorkItem]], params, a
     """Warm each engine up, then time args.runs passes: every engine's records and seconds."""
     for engine, engine_items, (_, run) in zip(engines, items, runners):
         warm = (engine_items * args.warmup)[: args.warmup]
-        if warm:
+        if warm and not getattr(engine, "warms_up_itself", False):   # the peer warms up in its own process
             run(engine, warm, params, tqdm(disable=True))
     # --8<-- [start:alternate]
     records, seconds = [[] for _ in engines], [0.0 for _ in engines]
@@ -160,10 +169,18 @@ def main(argv: list[str] | None = None) -> dict:
                         "every request at once")
     parser.add_argument("--batch-size", type=cli.integer(1, 4096), default=None, help="with --batch: chunks of this size")
     parser.add_argument("--device", default=None)
+    peers.add_args(parser)
     args = parser.parse_args(argv)
     bench.check_common(parser, args)
     if args.batch_size is not None and args.batch is None:
         parser.error("--batch-size only applies with --batch")
+    if args.peer and not args.ignore_eos:
+        parser.error("--peer: vLLM's script always generates each request's whole budget; "
+                     "add --ignore-eos so that our engines do the same work")
+    problem = args.peer and peers.missing(args.peer_venv)
+    if problem:   # said at once, not after the run; our engines are measured all the same
+        print(f"[peer] {problem}\n[peer] measuring our engines only.", flush=True)
+        args.peer = None
 
     specs = args.engine or ["04_engine:BaselineEngine"]
     labels = bench.engine_labels(specs)
@@ -179,11 +196,22 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     runners = [runner_for(e, spec, label, args, len(its)) for e, spec, label, its in zip(engines, specs, labels, items)]
+    peer = None
+    if args.peer:   # one more engine in the alternation: the same requests, the same model folder
+        peer = peers.find(args.peer, args.peer_venv, setup.resolve_model(args.model), torch.get_num_threads(),
+                          args.peer_timeout, options, engines[0].tokenizer)
+        engines, items, labels = engines + [peer], items + [items[0]], labels + [peer.name]
+        runners.append(("all at once (median of its 3 passes)", peers.run_peer))
+        print(f"[peer] {peers.version(peer.venv)} from {peer.venv}, {peer.threads} threads, prefix caching "
+              f"{'on' if options.get('prefix_caching') else 'off'}; not passed on: "
+              f"{', '.join(peer.describe()['not_passed_on']) or 'nothing'}", flush=True)
     try:   # a request the engine refuses (a prompt plus budget past the context) ends the run in one line
         records, seconds = measure(engines, runners, items, params, args)
     except ValueError as exc:
         parser.error(f"an engine refused a request of this workload: {exc}")
-
+    if peer and peer.error:   # our rows stand; the peer's is dropped with the reason
+        print(f"[peer] vLLM failed, its row is left out: {peer.error}", flush=True)
+        labels, records, seconds, runners = labels[:-1], records[:-1], seconds[:-1], runners[:-1]
 
     all_stats = [bench.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, records, seconds)]
     modes = [mode for mode, _ in runners]
@@ -194,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     title = (f"Offline benchmark: {len(items[0])} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
              f" x {args.runs} runs, {mode}, {budget}{', ignore_eos' if args.ignore_eos else ''}")
     bench.print_table(title, all_stats)
+    if peer and not peer.error:
+        print("\n".join(peers.ratio_lines(all_stats, peer.name)))
     for stats, recs in zip(all_stats, records):
         beyond = sum(r.beyond_budget for r in recs)
         if beyond:
@@ -201,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"past their own request's budget were not counted, but every request waited for them")
     config = {**vars(args), "engine": specs, "mode": mode,   # what was really run, for the record
               "model": getattr(engines[0], "model_name", args.model),
-              "device": str(getattr(engines[0], "device", ""))}
+              "device": str(getattr(engines[0], "device", "")), "peer": peer.describe() if peer else None}
     bench.save_outputs(args, config, all_stats, records, title)
     return {"config": config, "stats": all_stats, "records": records}
 

@@ -113,18 +113,19 @@ def print_table(title: str, all_stats: list[BenchStats]) -> None:
     """Aligned 'name  value' lines; with several engines, side by side with the ratio to the first."""
     print(f"\n[{title}]")
     columns = [stat_rows(s) for s in all_stats]
+    widths = [max(22, len(s.name) + 2) for s in all_stats]   # a long engine name must not run into the next
     if len(all_stats) > 1:
-        print(f"  {'':<18} " + "".join(f"{s.name:<22}" for s in all_stats).rstrip())
+        print(f"  {'':<18} " + "".join(f"{s.name:<{w}}" for s, w in zip(all_stats, widths)).rstrip())
     for name in columns[0]:
         if all(col[name] is None for col in columns):
             continue  # e.g. TTFT for an engine that cannot see its own loop
         cells = []
-        for col in columns:
+        for col, width in zip(columns, widths):
             value, first = col[name], columns[0][name]
             cell = fmt(value)
             if col is not columns[0] and value is not None and first and name not in ("requests", "failed"):
                 cell += f" ({value / first:.2f}x)"
-            cells.append(f"{cell:<22}")
+            cells.append(f"{cell:<{width}}")
         print(f"  {name:<18} " + "".join(cells).rstrip())
     if len(all_stats) > 1:
         print(f"  (Nx) = ratio to {all_stats[0].name}: above 1 is better for /s lines, below 1 for *_ms lines")

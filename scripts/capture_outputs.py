@@ -48,6 +48,7 @@ class Capture:
     server: bool = False
     timeout_s: float = 600
     needs: str | None = None    # an optional module the commands import; skipped without it
+    peer: bool = False          # runs vLLM beside ours (kit/peers.py); skipped where it is not installed
 
     @property
     def script(self) -> str | None:
@@ -201,6 +202,11 @@ CAPTURES = [
     Capture("18_tensor_parallel_scaling", [
         "python 18_tensor_parallel_scaling.py --measure --threads 1 --plot book/assets/ch14-scaling.png",
     ], timeout_s=900),
+    # vLLM's CPU build beside our assembled engine, on the same 32 requests (its own venv; see kit/peers.py)
+    Capture("06_benchmark_offline_vllm", [   # one thread each: on the shared capture machine two mostly wait
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
+        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm",
+    ], timeout_s=3600, peer=True),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
     Capture("16_llama_cpp_anchor", [
         "python 16_quantization_demo.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
@@ -287,6 +293,12 @@ def main() -> int:
     for c in [c for c in todo if c.needs and importlib.util.find_spec(c.needs) is None]:
         print(f"skipping {c.name}: needs the optional module {c.needs}")
         todo.remove(c)
+    if any(c.peer for c in todo):
+        sys.path.insert(0, str(REPO_ROOT))
+        missing = importlib.import_module("kit.peers").missing()
+        for c in [c for c in todo if c.peer and missing]:
+            print(f"skipping {c.name}: {missing}")
+            todo.remove(c)
 
     OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
     failed = []

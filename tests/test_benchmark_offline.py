@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,7 +348,7 @@ def mixed_world(monkeypatch):
     classes = {"fake:FakeEngine": FakeEngine, "fake:FakeStaticEngine": FakeStaticEngine,
                "fake:FakeSubmitEngine": FakeSubmitEngine}
 
-    def load(spec, model, device):
+    def load(spec, model, device, **options):   # the fakes have every feature, and ignore them
         engine = classes[spec](clock, calls)
         engine.tokenizer = CharTokenizer()
         return engine
@@ -399,3 +400,145 @@ def test_bad_flags_are_refused_with_the_reason(argv, message, mixed_world, capsy
     with pytest.raises(SystemExit):
         offline.main(["--engine", "fake:FakeEngine"] + argv)
     assert message in capsys.readouterr().err
+
+
+# --- vLLM beside our engines (--peer vllm), with a fake vLLM venv ----------------------------
+
+FAKE_VLLM_OFFLINE = '''import json, os, sys
+work = json.load(open(sys.argv[2]))
+record = {"argv": sys.argv[1:], "work": work, "env": {k: os.environ.get(k) for k in (
+    "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}}
+with open(os.environ["FAKE_VLLM_LOG"], "a") as log:
+    log.write(json.dumps(record) + "\\n")
+if os.environ.get("FAKE_VLLM_FAIL"):
+    sys.exit("RuntimeError: no KV cache space")
+print("INFO some start-up chatter")
+print(f"workload: {len(work)} requests, output tokens/s median 16.0 (runs [15.0, 16.0, 17.5])")
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A venv whose bin/python runs our interpreter, and a PEERS_DIR whose vllm_offline.py prints what
+    the real one prints (at 16 tokens/s) and logs what it was given: the workload, argv and env."""
+    import sys
+
+    venv, shared = tmp_path / "vllm-venv", tmp_path / "peers"
+    (venv / "bin").mkdir(parents=True)
+    shared.mkdir()
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    (shared / "vllm_offline.py").write_text(FAKE_VLLM_OFFLINE)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    log = tmp_path / "vllm.log"
+    monkeypatch.setenv("PEERS_DIR", str(shared))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.delenv("VLLM_VENV", raising=False)
+    return {"venv": str(venv), "model": str(model),
+            "calls": lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []}
+
+
+def test_peer_row_ratio_and_workload_match_our_requests(mixed_world, fake_vllm, tmp_path, capsys):
+    out = tmp_path / "res.json"
+    result = offline.main(["--workload", "mixed", "--num-prompts", "4", "--runs", "2", "--warmup", "1",
+                           "--ignore-eos", "--engine", "fake:FakeSubmitEngine", "--model", fake_vllm["model"],
+                           "--peer", "vllm", "--peer-venv", fake_vllm["venv"], "--prefix-caching",
+                           "--json", str(out), "--plot", str(tmp_path / "res.png")])
+    ours, vllm = result["stats"]
+    calls = fake_vllm["calls"]()
+    assert len(calls) == 2                                  # one vLLM run per measured run, no warm-up run
+    order = [c[0] for c in mixed_world if c[0] == "submit"]
+    assert len(order) == 1 + 4 * 2                          # ours: 1 warm-up request, 2 measured passes
+    budgets = [r["max_tokens"] for r in committed_requests()[:4]]
+    ours_items = workloads.mixed_workload(CharTokenizer(), 4)
+    for call in calls:   # the very requests our engine got, each its own budget, ignore_eos
+        assert call["work"] == [{"prompt": w.prompt, "max_tokens": w.max_new_tokens, "ignore_eos": True}
+                                for w in ours_items]
+        assert call["argv"][0] == fake_vllm["model"] and call["argv"][2:] == ["--prefix-caching"]
+        assert call["env"] == {"OMP_NUM_THREADS": str(offline.torch.get_num_threads()), "VLLM_CPU_KVCACHE_SPACE": "2",
+                               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # 352 tokens a run at the median 16 tokens/s: 22 s a run, twice.
+    assert (vllm.name, vllm.requests, vllm.output_tokens) == ("vLLM", 8, 2 * sum(budgets))
+    assert vllm.duration_s == pytest.approx(44.0) and vllm.output_tokens_per_s == pytest.approx(16.0)
+    assert vllm.input_tokens == ours.input_tokens and vllm.latency_ms is None   # counted by our tokenizer
+    printed = capsys.readouterr().out
+    ratio = 16.0 / ours.output_tokens_per_s
+    assert table_row(printed, "output_tokens/s") == [bench.fmt(ours.output_tokens_per_s), "16.0", f"({ratio:.2f}x)"]
+    assert f"vLLM / FakeSubmitEngine: output_tokens/s {ratio:.2f}x" in printed
+    assert "vLLM all at once (median of its 3 passes)" in printed
+    saved = json.loads(out.read_text())
+    assert [r["stats"]["name"] for r in saved["results"]] == ["FakeSubmitEngine", "vLLM"]
+    assert saved["config"]["peer"]["prefix_caching"] is True and len(saved["config"]["peer"]["printed"]) == 2
+    assert (tmp_path / "res.png").read_bytes()[:4] == b"\x89PNG"   # vLLM's bar, and an empty latency box
+
+
+def test_peer_takes_turns_with_our_engines(mixed_world, fake_vllm, monkeypatch):
+    turns = []
+    peer_measure = offline.peers.VllmPeer.measure
+
+    def measure(self, items):
+        turns.append("vLLM")
+        return peer_measure(self, items)
+    monkeypatch.setattr(offline.peers.VllmPeer, "measure", measure)
+    real_run = offline.run_sequential
+
+    def run(engine, items, params, bar):
+        turns.append("ours")
+        return real_run(engine, items, params, bar)
+    monkeypatch.setattr(offline, "run_sequential", run)
+    offline.main(["--workload", "mixed", "--num-prompts", "2", "--runs", "2", "--warmup", "0", "--ignore-eos",
+                  "--engine", "fake:FakeEngine", "--model", fake_vllm["model"], "--peer", "vllm",
+                  "--peer-venv", fake_vllm["venv"]])
+    assert turns == ["ours", "vLLM", "ours", "vLLM"]
+
+
+def test_absent_peer_says_how_to_install_and_ours_still_run(mixed_world, fake_vllm, tmp_path, capsys):
+    result = offline.main(["--workload", "mixed", "--num-prompts", "2", "--runs", "1", "--warmup", "0",
+                           "--ignore-eos", "--engine", "fake:FakeEngine", "--peer", "vllm",
+                           "--peer-venv", str(tmp_path / "nowhere")])
+    printed = capsys.readouterr().out
+    assert f"no vLLM venv at {tmp_path / 'nowhere'}" in printed and "install_vllm.sh" in printed
+    assert [s.name for s in result["stats"]] == ["FakeEngine"] and "Traceback" not in printed
+
+
+def test_failing_peer_leaves_our_rows(mixed_world, fake_vllm, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    result = offline.main(["--workload", "mixed", "--num-prompts", "2", "--runs", "2", "--warmup", "0",
+                           "--ignore-eos", "--engine", "fake:FakeEngine", "--model", fake_vllm["model"],
+                           "--peer", "vllm", "--peer-venv", fake_vllm["venv"]])
+    assert [s.name for s in result["stats"]] == ["FakeEngine"] and len(fake_vllm["calls"]()) == 1   # not retried
+    printed = capsys.readouterr().out
+    assert "vLLM failed, its row is left out: vLLM exited with code 1" in printed and "no KV cache space" in printed
+
+
+def test_peer_needs_equal_work(mixed_world, capsys):
+    with pytest.raises(SystemExit):
+        offline.main(["--engine", "fake:FakeEngine", "--peer", "vllm"])
+    assert "add --ignore-eos" in capsys.readouterr().err
+
+
+def test_peer_output_is_parsed_or_refused():
+    from kit import peers
+
+    line = "workload: 3 requests, output tokens/s median 257.3 (runs [250.1, 257.3, 260.0])"
+    assert peers.parse_rates(f"noise\n{line}\nbatch 1: tokens/s median 40.0\n", 3) == (257.3, [250.1, 257.3, 260.0])
+    with pytest.raises(peers.PeerFailed, match="not the 4 it was given"):
+        peers.parse_rates(line, 4)
+    with pytest.raises(peers.PeerFailed, match="no 'workload:' line"):
+        peers.parse_rates("Traceback ...", 3)
+
+
+def test_peer_scripts_are_found_beside_the_repository_or_where_peers_dir_says(tmp_path, monkeypatch):
+    from kit import peers
+
+    monkeypatch.delenv("PEERS_DIR", raising=False)
+    assert peers.peers_dir() == workloads.REPO_ROOT.parent / "shared" / "peers"   # ../shared/peers
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path))
+    assert "Set PEERS_DIR to the folder" in peers.missing(str(tmp_path))          # no vllm_offline.py there
+    monkeypatch.setenv("VLLM_VENV", str(tmp_path / "elsewhere"))
+    assert peers.venv_dir() == tmp_path / "elsewhere" and peers.venv_dir("/x") == Path("/x")
