@@ -21,7 +21,8 @@ Three changes, none of which touches the model's arithmetic:
 `compile_model(model)` applies them to any model Chapter 6 or Chapter 12 builds; engines take
 `compile=True` (`--compile`), found by name in kit/plugins.py as weight formats are.
 
-    python 17_compile.py                 # eager vs compiled: logits, a step's time, compile cost
+    python 17_compile.py                 # eager vs compiled: the same logits? the compile's cost
+    python 17_compile_demo.py --part steps       # a step's time, eager vs compiled, batch 1 to 32
     python 17_compile_demo.py --plot ch13.png    # a step taken apart, every format, batch 1 and 32
     python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --compile \\
            --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm
@@ -282,28 +283,6 @@ class CompiledEngine(cb13.ContinuousBatchingEngine):
 
 
 # ---------------------------------------------------------------- the demonstration
-def decode_batch(pool, batch_size: int, context: int):
-    """A decode step of batch_size rows, each `context` tokens deep, in blocks spread over the pool."""
-    width = -(-(context + 1) // pool.block_size)
-    if batch_size * width > pool.num_blocks:
-        raise ValueError(f"{batch_size} rows of {context} tokens need {batch_size * width} blocks; "
-                         f"the pool has {pool.num_blocks}")
-    order = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    tables = [order[i * width:(i + 1) * width] for i in range(batch_size)]
-    return pool.batch([[1]] * batch_size, tables, [context] * batch_size, "cpu")
-
-
-def time_step(model, pool, batch, rounds: int) -> float:
-    """Best of `rounds` forwards of this batch, in milliseconds (the first is a warm-up)."""
-    model.forward(batch, pool)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        model.forward(batch, pool)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 # --8<-- [start:show-kernel]
 def generated_kernel(fn=silu_mul, *example) -> str:
     """The C++ inductor writes for one fused op: what `torch.compile` turned Python into."""
@@ -318,13 +297,10 @@ def generated_kernel(fn=silu_mul, *example) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Chapter 13: eager vs compiled, on the same weights.")
+    parser = argparse.ArgumentParser(description="Chapter 13: eager vs compiled, on the same weights: the same "
+                                                 "logits? Timings: 17_compile_demo.py")
     cli.add_model_flags(parser, device=False, threads=True)
-    parser.add_argument("--context", type=cli.integer(1, 4000), default=256, help="tokens each decode row has cached")
-    parser.add_argument("--rounds", type=cli.integer(1, 100), default=5, help="timed steps per setting (best kept)")
     parser.add_argument("--show-kernel", action="store_true", help="only print the C++ generated for SiLU·mul")
-    parser.add_argument("--thread-counts", nargs="+", type=cli.integer(1, 256), metavar="N",
-                        help="time every step at each of these thread counts (default: the current one)")
     args = parser.parse_args()
     if args.show_kernel:
         with torch.inference_mode():
@@ -335,7 +311,7 @@ def main() -> None:
     eager = model10.LlamaModel.from_folder(folder)
     compiled = compile_model(eager)
     c = eager.config
-    pool = paged.KVPool.from_memory(c, (32 * (args.context + 32) + 600) * c.kv_bytes_per_token(torch.float32))
+    pool = paged.KVPool.from_memory(c, 2048 * c.kv_bytes_per_token(torch.float32))
     print(f"[{cpu_threads.cpu_name()}]  float32, torch {torch.__version__}")
     print(f"[weights]  eager {eager.weight_bytes / 1e6:.0f} MB; packed {compiled.weight_bytes / 1e6:.0f} MB "
           f"(the tied LM head gets a packed copy of its own)")
@@ -364,16 +340,6 @@ def main() -> None:
           f"{same} of {len(engine04.reference_prompts())} prompts")
     # --8<-- [end:check]
 
-    print(f"\n[one step, ms, best of {args.rounds}]  eager and compiled alternate, same pool, same batch")
-    settings = [(f"decode, batch {b}, {args.context} cached", decode_batch(pool, b, args.context)) for b in (1, 8, 32)]
-    settings.append(("prefill, 500 tokens", pool.batch([[1] * 500], [list(range(32))], [0], "cpu")))
-    counts = args.thread_counts or [torch.get_num_threads()]
-    for label, batch in settings:
-        for threads in counts:     # thread counts alternate too: a neighbour's load hits all alike
-            torch.set_num_threads(threads)
-            e = time_step(eager, pool, batch, args.rounds)
-            k = time_step(compiled, pool, batch, args.rounds)
-            print(f"  {label:<28} {threads} thr  eager {e:7.1f}   compiled {k:7.1f}   {e / k:4.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ beside the floor Chapter 4's roofline sets: the step's bytes (weights and the ke
 it reads) over this machine's measured memory bandwidth. Eager and compiled alternate, so a
 busy machine slows both alike.
 
-    python 17_compile_demo.py                        # the table (a few minutes: four formats)
+    python 17_compile_demo.py --part steps           # whole steps, eager vs compiled, batch 1 to 32
+    python 17_compile_demo.py --part steps --thread-counts 1 2     # ... and what a second thread does
+    python 17_compile_demo.py                        # both tables (a few minutes: four formats)
     python 17_compile_demo.py --formats none int4 --plot ch13-step.png
 """
 
@@ -42,6 +44,37 @@ def best_ms(fn, rounds: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def decode_batch(pool, batch_size: int, context: int):
+    """A decode step of batch_size rows, each `context` tokens deep, in blocks spread over the pool."""
+    width = -(-(context + 1) // pool.block_size)
+    if batch_size * width > pool.num_blocks:
+        raise ValueError(f"{batch_size} rows of {context} tokens need {batch_size * width} blocks; "
+                         f"the pool has {pool.num_blocks}")
+    order = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [order[i * width:(i + 1) * width] for i in range(batch_size)]
+    return pool.batch([[1]] * batch_size, tables, [context] * batch_size, "cpu")
+
+
+def steps(folder, context: int, rounds: int, thread_counts: list[int]) -> None:
+    """Whole steps, eager against compiled: decodes of 1, 8 and 32 rows, and one long prefill."""
+    eager = runner10.load_model(folder)
+    compiled = compile17.compile_model(eager)
+    c = eager.config
+    pool = paged.KVPool.from_memory(c, (32 * (context + 32) + 600) * c.kv_bytes_per_token(torch.float32))
+    print(f"[compile]  warm-up {compiled.warm_up(pool):.1f} s")
+    print(f"[one step, ms, best of {rounds}]  eager and compiled alternate, same pool, same batch")
+    settings = [(f"decode, batch {b}, {context} cached", decode_batch(pool, b, context)) for b in (1, 8, 32)]
+    settings.append(("prefill, 500 tokens", pool.batch([[1] * 500], [list(range(32))], [0], "cpu")))
+    saved = torch.get_num_threads()
+    for label, batch in settings:
+        for threads in thread_counts:     # thread counts alternate too: a neighbour's load hits all alike
+            torch.set_num_threads(threads)
+            e = best_ms(lambda: eager.forward(batch, pool), rounds)
+            k = best_ms(lambda: compiled.forward(batch, pool), rounds)
+            print(f"  {label:<28} {threads} thr  eager {e:7.1f}   compiled {k:7.1f}   {e / k:4.2f}x", flush=True)
+    torch.set_num_threads(saved)
 
 
 # --8<-- [start:parts]
@@ -104,11 +137,23 @@ def main() -> None:
     parser.add_argument("--context", type=cli.integer(1, 2000), default=256, help="tokens each row has cached")
     parser.add_argument("--rounds", type=cli.integer(1, 50), default=5, help="timed repeats (best kept)")
     parser.add_argument("--plot", metavar="PNG", help="draw the table as stacked bars")
+    parser.add_argument("--part", choices=("steps", "apart", "all"), default="all",
+                        help="steps: whole steps, eager vs compiled; apart: a decode step per format, in parts")
+    parser.add_argument("--thread-counts", nargs="+", type=cli.integer(1, 256), metavar="N",
+                        help="steps: time each at these thread counts too (default: the current one)")
     args = parser.parse_args()
     folder = setup.resolve_model(args.model)
+    print(f"[{cpu_threads.cpu_name()}]  float32 activations, torch {torch.__version__}")
+    if args.part in ("steps", "all"):
+        steps(folder, args.context, args.rounds, args.thread_counts or [torch.get_num_threads()])
+    if args.part in ("apart", "all"):
+        apart(folder, args)
+
+
+def apart(folder, args) -> None:
     roofline = importlib.import_module("08_roofline")
     bandwidth = roofline.measure_bandwidth(torch.device("cpu"))
-    print(f"[{cpu_threads.cpu_name()}]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
+    print(f"\n[a decode step taken apart]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
     print(f"{'format':<8}{'batch':>6}  {'mode':<9}{'step':>8}{'matmuls':>9}{'attention':>10}{'rest':>8}"
           f"{'floor':>8}{'in place':>10}   ms")
     rows = []
@@ -120,7 +165,7 @@ def main() -> None:
                                         * c.kv_bytes_per_token(torch.float32))
         compiled.warm_up(pool)
         for b in args.batch_sizes:
-            batch = compile17.decode_batch(pool, b, args.context)
+            batch = decode_batch(pool, b, args.context)
             kv_bytes = b * (args.context + 1) * c.kv_bytes_per_token(torch.float32)
             floor = (eager.weight_bytes + kv_bytes) / bandwidth * 1e3
             for mode, model in (("eager", eager), ("compiled", compiled)):

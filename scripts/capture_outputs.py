@@ -189,9 +189,10 @@ CAPTURES = [
     ], timeout_s=3600),
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
     # Chapter 13 (compiled steps): one thread, as the other timed captures of a shared machine
-    Capture("17_compile", ["python 17_compile.py --threads 1 --rounds 5"], timeout_s=1800),
+    Capture("17_compile", ["python 17_compile.py --threads 1"], timeout_s=1800),
     Capture("17_compile_kernel", ["python 17_compile.py --show-kernel"], timeout_s=600),
-    Capture("17_compile_demo", ["python 17_compile_demo.py --threads 1 --plot book/assets/ch13-step.png"],
+    Capture("17_compile_demo", ["python 17_compile_demo.py --threads 1 --thread-counts 1 2 "
+                                "--plot book/assets/ch13-step.png"],
             timeout_s=3600),
     # Chapter 14 (tensor parallelism): the default model's 9 heads and 3 KV heads split in 3, not 2
     Capture("18_tensor_parallel", ["python 18_tensor_parallel.py --tensor-parallel-size 3 --max-new-tokens 32"],
