@@ -8,6 +8,7 @@ prompt anywhere else); and greedy agreement with float32 on the reference prompt
     python 16_quantization.py                  # the table (a few minutes on a laptop CPU)
     python 16_quantization_demo.py --plot book/assets/ch12-quantization.png
     python 16_quantization_demo.py --modes none int8 int4-g32 --rounds 1
+    python 16_quantization_demo.py --replot book/outputs/16_quantization_demo.txt --plot ch12.png   # no measuring
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import copy
 import importlib
 import math
+import re
 import statistics
 import sys
 import time
@@ -161,6 +163,21 @@ def print_table(rows: list[dict]) -> None:
         print(f"  {r['name']:<22}{r['mb']:>6.0f} MB{b1:>20}{b32:>21}{ppl:>18}{agree:>16}")
 
 
+# One row of print_table: name, weights, batch-1 (ratio), batch-32 (ratio) or -, perplexity (change) or -.
+TABLE_ROW = re.compile(r"^  (?P<name>\S.*?)\s+(?P<mb>\d+) MB\s+(?P<b1>[\d.]+) \([\d.]+x\)"
+                       r"\s+(?:(?P<b32>\d+) \([\d.]+x\)|-)\s+(?:(?P<ppl>[\d.]+) \([^)]*\)|-)", re.M)
+
+
+def rows_from_table(text: str) -> list[dict]:
+    """The rows of a saved run's printed table (a capture of this script), enough to redraw the plot."""
+    rows = [{"name": m["name"], "mb": float(m["mb"]), "b1": float(m["b1"]),
+             "b32": float(m["b32"]) if m["b32"] else None, "ppl": float(m["ppl"]) if m["ppl"] else None}
+            for m in TABLE_ROW.finditer(text)]
+    if not rows:
+        raise ValueError("no table rows found: expected the output of 16_quantization_demo.py")
+    return rows
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Two panels with their own speed axes: batch-1 decode and batch-32 throughput differ by
     several times, and each is worth reading on its own scale."""
@@ -203,9 +220,19 @@ def main() -> None:
                         help="also time llama.cpp on this GGUF at batch 1 (needs llama-cpp-python; "
                              "see 16_llama_cpp.py)")
     parser.add_argument("--plot", default=None, metavar="PNG", type=cli.plot_file(), help="speed against perplexity")
+    parser.add_argument("--replot", default=None, metavar="TABLE",
+                        help="with --plot: redraw the plot from a saved run's output, without measuring")
     args = parser.parse_args()
     if args.llama_cpp == "":
         parser.error("--llama-cpp needs the path of a GGUF file")
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot PNG")
+        try:
+            plot(rows_from_table(open(args.replot, encoding="utf-8").read()), args.plot)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return
     try:
         specs = list(args.modes)
         for spec in specs:
