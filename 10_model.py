@@ -138,9 +138,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def input_major(w: torch.Tensor) -> torch.Tensor:
     """The same [out, in] matrix, laid out in memory input by input (column-major).
 
-    `x @ w.T` then hands the BLAS a plain [in, out] matrix, no transpose. For the few rows
-    of a decode batch (2 to 32) MKL's float32 GEMM runs that layout up to a third faster
-    (measured on the default model's layers); for one row both layouts are a matrix-vector product.
+    `x @ w.T` then hands the BLAS a plain [in, out] matrix, no transpose. How much that gains
+    depends on the CPU and on the kernel the BLAS picks for each shape: on the book's capture
+    machine (a 2-core AMD EPYC, one thread; `python 10_profile.py --layouts`) the layers' matmuls
+    ran 1.4x as fast at 1 and 2 rows, and within a few percent either way at 4 to 32 rows.
     """
     return w.T.contiguous().T
 

@@ -15,6 +15,7 @@ a big GEMM for FLOP/s) and times the parts of real decode steps of `ModelEngine`
     overhead    everything else in the step: building the batch, Python, the loop
 
     python 10_profile.py --plot ch6-profile.png
+    python 10_profile.py --layouts        # the weights' memory layout: row-major vs input-major matmuls
 """
 
 from __future__ import annotations
@@ -109,6 +110,42 @@ def profile_decode(engine, batch_sizes=(1, 32), steps: int = 16) -> dict:
 # --8<-- [end:profile]
 
 
+# --8<-- [start:layouts]
+@torch.inference_mode()
+def time_layouts(model, batch_sizes=(1, 2, 4, 8, 16, 32), rounds: int = 9) -> dict[int, tuple[float, float]]:
+    """Seconds for the 30 layers' four matmuls, x @ Wᵀ, at each batch size: weights stored row
+    by row ([out, in], as the checkpoint has them) and input by input (`10_model.input_major`,
+    as the model keeps them). Best of `rounds`, the two layouts alternating in every round.
+    On a CPU the clock is the process's CPU time, which other processes on a busy machine do
+    not inflate (with one thread, it is the time the matmuls really ran)."""
+    clock = time.perf_counter if model.device.type == "cuda" else time.process_time
+    names = [n for n in model.w if n.endswith(("qkv", "o", "gate_up", "down"))]
+    layouts = {"row-major": [model.w[n].contiguous() for n in names],      # a copy, laid out row by row
+               "input-major": [model.w[n] for n in names]}
+    table = {}
+    for b in batch_sizes:
+        x = {w.shape[1]: torch.randn(b, w.shape[1], device=model.device) for w in layouts["input-major"]}
+        best = {name: float("inf") for name in layouts}
+        for _ in range(rounds):
+            for name, weights in layouts.items():
+                t = clock()
+                for w in weights:
+                    x[w.shape[1]] @ w.T
+                _sync(model.device)
+                best[name] = min(best[name], clock() - t)
+        table[b] = (best["row-major"], best["input-major"])
+    return table
+# --8<-- [end:layouts]
+
+
+def print_layouts(table: dict[int, tuple[float, float]]) -> None:
+    print(f"\n[Weight layout]  the layers' matmuls x @ Wᵀ (all 30 layers), CPU time, best of alternating "
+          f"rounds, {torch.get_num_threads()} thread(s)")
+    print(f"  {'batch':>5}{'row-major ms':>15}{'input-major ms':>17}{'input-major speed':>20}")
+    for b, (row, col) in table.items():
+        print(f"  {b:>5}{row * 1e3:>15.2f}{col * 1e3:>17.2f}{row / col:>19.2f}x")
+
+
 def print_profile(table: dict) -> None:
     sizes = list(table["rows"])
     print(f"\n[Profile of one decode step]  memory read {table['bandwidth'] / 1e9:.1f} GB/s, "
@@ -154,11 +191,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 6: where one decode step's time goes, against the floors.")
     cli.add_model_flags(parser, threads=True)
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None, help="save a bar chart")
+    parser.add_argument("--layouts", action="store_true",
+                        help="instead: time the layers' matmuls with the weights row-major and input-major")
     args = parser.parse_args()
     try:
         engine = engine10.ModelEngine(args.model, device=args.device)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    if args.layouts:
+        print_layouts(time_layouts(engine.model))
+        return
     table = profile_decode(engine)
     print_profile(table)
     if args.plot:

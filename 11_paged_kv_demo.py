@@ -11,6 +11,11 @@ for a fixed memory budget:
                          (Chapter 6's contiguous layout, sized for the worst case)
     per-request regions  every sequence reserves its own prompt + max_tokens
     pages                every sequence holds ceil(tokens it really has / block_size) blocks
+
+The pages row counts each sequence at the length its answer really reached. An engine gets
+there only by growing sequences on demand and preempting when the pool runs dry (Chapter 9);
+Chapter 7's PagedEngine reserves prompt + max_tokens at admission, like the per-request row,
+and runs at most max_num_seqs (32) sequences at once.
 """
 
 from __future__ import annotations

@@ -109,8 +109,10 @@ class HalfWeight(QuantizedWeight):
     def dequantize(self): return self.w.float()
     def dequantize_rows(self, rows): return self.w[rows]
     def packed_mm(self, x): return (x.to(self.w.dtype) @ self.w.T).to(x.dtype)
+# --8<-- [end:weights]
 
 
+# --8<-- [start:int8-weight]
 class Int8Weight(QuantizedWeight):
     """Per-channel int8. Fast path: _weight_int8pack_mm (int8 weights, bf16 activations)."""
 
@@ -125,7 +127,7 @@ class Int8Weight(QuantizedWeight):
 
     def packed_mm(self, x):
         return torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.kernel_scale).to(x.dtype)
-# --8<-- [end:weights]
+# --8<-- [end:int8-weight]
 
 
 # --8<-- [start:int4-pack]

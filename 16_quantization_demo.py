@@ -8,6 +8,7 @@ prompt anywhere else); and greedy agreement with float32 on the reference prompt
     python 16_quantization.py                  # the table (a few minutes on a laptop CPU)
     python 16_quantization_demo.py --plot book/assets/ch12-quantization.png
     python 16_quantization_demo.py --modes none int8 int4-g32 --rounds 1
+    python 16_quantization_demo.py --replot book/outputs/16_quantization_demo.txt --plot ch12.png   # no measuring
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import copy
 import importlib
 import math
+import re
 import statistics
 import sys
 import time
@@ -161,24 +163,43 @@ def print_table(rows: list[dict]) -> None:
         print(f"  {r['name']:<22}{r['mb']:>6.0f} MB{b1:>20}{b32:>21}{ppl:>18}{agree:>16}")
 
 
+# One row of print_table: name, weights, batch-1 (ratio), batch-32 (ratio) or -, perplexity (change) or -.
+TABLE_ROW = re.compile(r"^  (?P<name>\S.*?)\s+(?P<mb>\d+) MB\s+(?P<b1>[\d.]+) \([\d.]+x\)"
+                       r"\s+(?:(?P<b32>\d+) \([\d.]+x\)|-)\s+(?:(?P<ppl>[\d.]+) \([^)]*\)|-)", re.M)
+
+
+def rows_from_table(text: str) -> list[dict]:
+    """The rows of a saved run's printed table (a capture of this script), enough to redraw the plot."""
+    rows = [{"name": m["name"], "mb": float(m["mb"]), "b1": float(m["b1"]),
+             "b32": float(m["b32"]) if m["b32"] else None, "ppl": float(m["ppl"]) if m["ppl"] else None}
+            for m in TABLE_ROW.finditer(text)]
+    if not rows:
+        raise ValueError("no table rows found: expected the output of 16_quantization_demo.py")
+    return rows
+
+
 def plot(rows: list[dict], path: str) -> None:
+    """Two panels with their own speed axes: batch-1 decode and batch-32 throughput differ by
+    several times, and each is worth reading on its own scale."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r.get("ppl")]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for key, marker, label in (("b1", "o", "batch-1 decode"), ("b32", "s", "batch 32 (tokens/s / 10)")):
-        xs = [r[key] / (10 if key == "b32" else 1) for r in rows]
-        ax.scatter(xs, [r["ppl"] for r in rows], marker=marker, label=label)
-        if key == "b1":   # neighbours (int8 and int8 with a float32 head) get labels above and below
-            for i, (r, x) in enumerate(zip(rows, xs)):
-                ax.annotate(r["name"], (x, r["ppl"]), textcoords="offset points", fontsize=8,
-                            xytext=(5, 5 if i % 2 else -11))
-    ax.set_xlabel("tokens/s (higher is better)")
-    ax.set_ylabel("perplexity on held-out text (lower is better)")
-    ax.set_title("Chapter 12: speed against quality, one weight format per point")
-    ax.legend()
+    panels = (("b1", "o", "batch 1: decode tokens/s (after the first token)"),
+              ("b32", "s", "batch 32: output tokens/s (prefill included)"))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, (key, marker, xlabel) in zip(axes, panels):
+        points = [r for r in rows if r.get(key)]
+        ax.scatter([r[key] for r in points], [r["ppl"] for r in points], marker=marker)
+        for i, r in enumerate(points):   # neighbours get labels above and below
+            ax.annotate(r["name"], (r[key], r["ppl"]), textcoords="offset points", fontsize=8,
+                        xytext=(5, 5 if i % 2 else -11))
+        ax.set_xlabel(f"{xlabel}, higher is better")
+        ax.margins(x=0.15)   # room for the labels of the outermost points
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("perplexity on held-out text (lower is better)")
+    fig.suptitle("Chapter 12: speed against quality, one point per weight format")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"\n[plot] {path}")
@@ -199,9 +220,19 @@ def main() -> None:
                         help="also time llama.cpp on this GGUF at batch 1 (needs llama-cpp-python; "
                              "see 16_llama_cpp.py)")
     parser.add_argument("--plot", default=None, metavar="PNG", type=cli.plot_file(), help="speed against perplexity")
+    parser.add_argument("--replot", default=None, metavar="TABLE",
+                        help="with --plot: redraw the plot from a saved run's output, without measuring")
     args = parser.parse_args()
     if args.llama_cpp == "":
         parser.error("--llama-cpp needs the path of a GGUF file")
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot PNG")
+        try:
+            plot(rows_from_table(open(args.replot, encoding="utf-8").read()), args.plot)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return
     try:
         specs = list(args.modes)
         for spec in specs:

@@ -104,6 +104,7 @@ CAPTURES = [
     Capture("10_model", ["python 10_model.py"], timeout_s=1800),
     Capture("10_model_runner", ["OMP_NUM_THREADS=1 python 10_model_runner.py"], timeout_s=600),
     Capture("10_profile", ["python 10_profile.py --threads 1 --plot book/assets/ch6-profile.png"], timeout_s=1800),
+    Capture("10_layouts", ["python 10_profile.py --threads 1 --layouts"], timeout_s=600),
     Capture("10_vs_baseline", [   # one thread: on the shared capture machine two threads mostly wait
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model_engine:ModelEngine"
         " --num-prompts 8 --runs 1 --max-new-tokens 32 --ignore-eos",
@@ -140,14 +141,23 @@ CAPTURES = [
         "OMP_NUM_THREADS=1 python 13_continuous_batching_demo.py --kv-memory 16MB --no-compare"
         " --plot book/assets/ch9-preemption.png",
     ], timeout_s=1800),
+    # one thread: on the shared capture machine two threads mostly wait for each other
     Capture("13_benchmark_offline", [
-        "python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1 --ignore-eos"
-        " --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1"
+        " --ignore-eos --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
         " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch StaticBatchEngine",
     ], timeout_s=3600),
+    # The control: the same workload on Chapter 6's model throughout, one at a time (Chapter 6's engine),
+    # in static batches (Chapter 7's), and continuously batched, so the model is not what differs.
+    Capture("13_benchmark_same_model", [
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1"
+        " --ignore-eos --engine 10_model_engine:ModelEngine --engine 11_paged_kv_engine:PagedEngine"
+        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch PagedEngine",
+    ], timeout_s=3600),
     Capture("13_benchmark_online", [
-        "python 06_benchmark_online.py --workload mixed --num-prompts 32 --concurrency 32 --runs 1 --ignore-e"
-        "os --timeout 3600 --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine",
+        "OMP_NUM_THREADS=1 python 06_benchmark_online.py --workload mixed --num-prompts 32 --concurrency 32 --runs 1"
+        " --ignore-eos --timeout 3600 --engine 04_engine:BaselineEngine"
+        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine",
     ], timeout_s=3600),
     Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
     # The assembled engine: the same traffic with its switches turned on one by one

@@ -255,3 +255,14 @@ def test_profile_parts_add_up_and_floors_scale_with_the_batch(tiny_model_dir, tm
     assert "of the tighter floor" in capsys.readouterr().out
     profile.plot_profile(table, str(tmp_path / "profile.png"))
     assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layouts_time_both_layouts_of_every_layer_matrix(tiny_model_dir, capsys):
+    """10_profile --layouts: one row per batch size, a positive time for each layout, printed."""
+    profile = load_script("10_profile")
+    model = engine10.ModelEngine(str(tiny_model_dir), device="cpu").model
+    table = profile.time_layouts(model, batch_sizes=(1, 4), rounds=2)
+    assert list(table) == [1, 4]
+    assert all(row > 0 and col > 0 for row, col in table.values())
+    profile.print_layouts(table)
+    assert "input-major" in capsys.readouterr().out

@@ -371,3 +371,21 @@ def test_decode_rate_uses_tpot_or_takes_the_prefill_off(tiny_model_dir):
             result.metrics.tpot_ms = None
             return result
     assert 0 < demo16.decode_rate(NoTPOT(), "Hello", 16) < float("inf") and calls == [16, 1]
+
+
+def test_replot_reads_back_the_printed_table(capsys, tmp_path):
+    """--replot redraws the plot from a saved run: the printed table parses back to its rows."""
+    rows = [{"name": "float32", "mb": 538.0, "b1": 31.2, "b32": 112.0, "ppl": 19.764, "agree": 1.0,
+             "identical": 7, "prompts": 7},
+            {"name": "int4 g32, head int4", "mb": 113.0, "b1": 108.8, "b32": 169.0, "ppl": 21.247, "agree": 0.18,
+             "identical": 0, "prompts": 7},
+            {"name": "HF generate (float32)", "mb": 538.0, "b1": 23.7}]
+    demo16.print_table(rows)
+    back = demo16.rows_from_table(capsys.readouterr().out)
+    assert [(r["name"], r["b1"], r["b32"], r["ppl"]) for r in back] == [
+        ("float32", 31.2, 112.0, 19.764), ("int4 g32, head int4", 108.8, 169.0, 21.247),
+        ("HF generate (float32)", 23.7, None, None)]
+    demo16.plot(back, str(tmp_path / "q.png"))
+    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        demo16.rows_from_table("no table here")
