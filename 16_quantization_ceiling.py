@@ -25,6 +25,7 @@ import copy
 import importlib
 import statistics
 import sys
+import textwrap
 import time
 
 import torch
@@ -114,9 +115,11 @@ def main() -> None:
         print("  " + f"{name:<14}" + "".join(f"{t:>10.1f} ms ({f / t:.2f}x)" for t, f in zip(times, first)))
     over = parts_exceeding_the_whole(median)
     if over:
-        print(f"\n  warning: for {', '.join(over)}, matmuls + everything else add up to more than the whole step. "
-              f"The parts are timed apart, so the machine's load changed in between: read these rows as noise, "
-              f"and rerun on a quieter machine or with more --rounds.")
+        print("\n" + textwrap.fill(
+            f"warning: for {', '.join(over)}, matmuls + everything else add up to more than the whole step. "
+            f"The parts are timed apart, so the machine's load changed in between: read these rows as noise, "
+            f"and rerun on a quieter machine or with more --rounds.", width=100,
+            initial_indent="  ", subsequent_indent="  "))
 
 
 if __name__ == "__main__":
