@@ -20,9 +20,10 @@ loaded machine the static server has come out at 0.6x the sequential one. With
 --clock steps, request i instead arrives at the end of step floor(t_i / 0.25 s), as if
 every step took 0.25 s (an idle engine skips to the next arrival), so every column of the
 trace but the times is the same on every machine; the static and sequential servers then
-replay the arrivals as they happened, in seconds. Run time, on 2-core virtual machines shared
-with other work: the default run took 177 s; --small --clock steps took 186 s at a load
-average of 15 (an AMD EPYC VM, 2026-12-04).
+replay the arrivals as they happened, in seconds. Run time, on a 2-core AMD EPYC virtual
+machine with one torch thread (2026-12-04): the default run took 36 s while the machine was
+quiet (37 s with --clock steps), and --small --clock steps 186 s at a load average of 15; on
+another 2-core machine, loaded, the default run took 177 s.
 """
 
 from __future__ import annotations

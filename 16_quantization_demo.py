@@ -5,10 +5,14 @@ alternate the engines, so a busy machine slows all of them alike; perplexity on 
 held-out public-domain text (data/heldout_ruth_kjv.txt, never shown to the model as a
 prompt anywhere else); and greedy agreement with float32 on the reference prompts.
 
-    python 16_quantization_demo.py             # the table (RUNTIME)
+    python 16_quantization_demo.py             # the table: long (see below)
     python 16_quantization_demo.py --plot book/assets/ch12-quantization.png
     python 16_quantization_demo.py --modes none int8 int4-g32 --rounds 1
     python 16_quantization_demo.py --device cuda   # (the default is the best device there is)
+
+Run time: `python 16_quantization_demo.py --threads 1` took 65 minutes on a 2-core AMD EPYC
+virtual machine shared with other work (load average about 14, 2026-12-04), of which 20
+minutes were its own CPU time; --modes and --rounds (e.g. the third line above) cut it down.
 """
 
 from __future__ import annotations
