@@ -447,12 +447,15 @@ def main() -> None:
     import argparse
     import importlib
 
+    import transformers
+
     setup = importlib.import_module("01_setup")
     parser = argparse.ArgumentParser(description="Chapter 6: our Llama forward pass, checked against HF's.")
     cli.add_model_flags(parser, device=False)
     parser.add_argument("--prompt", default="The capital of France is")
     args = parser.parse_args()
     folder = setup.resolve_model(args.model)
+    transformers.utils.logging.disable_progress_bar()   # HF's loading bar would cut into the output below
     try:
         tokenizer, hf = setup.load_model(str(folder), "cpu", torch.float32)
         model = LlamaModel.from_folder(folder)

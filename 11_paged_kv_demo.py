@@ -135,7 +135,7 @@ def plot(table: dict, workload: dict, bytes_per_token: int, block_size: int,
 
 def main() -> None:
     parser = engine04.demo_parser("Chapter 7: a paged KV cache.")
-    parser.add_argument("--kv-memory", default="512MB", help="KV pool size (default 512MB)")
+    parser.add_argument("--kv-memory", default="512MB", help="KV pool size (default 512MB; MB means MiB, 2**20 bytes)")
     parser.add_argument("--block-size", type=int, default=paged.DEFAULT_BLOCK_SIZE)
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(),
                         help="save memory-vs-requests and block-table pictures")

@@ -40,8 +40,9 @@ class PagedEngine(engine10.ModelEngine):
         self.pool = paged.KVPool.from_memory(m.config, kv_memory, block_size, m.dtype, m.device)
         self.runner.kv = self.pool                # the runner's storage is now blocks, for good
         self.blocks = self.block_manager(self.pool.num_blocks, block_size)
+        mib = self.pool.nbytes / 2**20            # whole blocks only: a little under kv_memory
         print(f"[engine] KV pool: {self.pool.num_blocks} blocks x {block_size} tokens = "
-              f"{self.pool.num_blocks * block_size:,} tokens in {self.pool.nbytes / 2**20:.0f} MiB", flush=True)
+              f"{self.pool.num_blocks * block_size:,} tokens in {mib:.{1 if mib < 100 else 0}f} MiB", flush=True)
         if compile:   # Chapter 13: the kernels are built now, not during the first request
             print("[engine] compiling the step (torch.compile) ...", flush=True)
             print(f"[engine] compiled in {m.warm_up(self.pool):.0f} s", flush=True)

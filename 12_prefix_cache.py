@@ -111,6 +111,19 @@ class PrefixCachingBlockManager(paged.BlockManager):
             h, serial = c.hash, c.serial
         return found, h, serial
 
+    def _need_and_room(self, hits: list[int], num_tokens: int) -> tuple[int, int]:
+        """New blocks a prompt needs besides its cached prefix `hits`, and the blocks it may take:
+        the free ones, less the hits nobody uses now (sharing them takes them off the evictable list)."""
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return self.blocks_for(num_tokens) - len(hits), self.num_free - revived
+
+    def can_allocate_prompt(self, tokens: list[int]) -> bool:
+        """Would allocate_prompt succeed now? A prompt whose prefix is cached needs blocks only for the rest."""
+        if not self.enabled:
+            return super().can_allocate_prompt(tokens)
+        need, room = self._need_and_room(self.match(tokens)[0], len(tokens))
+        return need <= room
+
     def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
         """allocate() for a sequence whose tokens are known: share its cached prefix, take new
         blocks for the rest. Returns how many tokens already have their K/V in the pool."""
@@ -121,10 +134,9 @@ class PrefixCachingBlockManager(paged.BlockManager):
         if not tokens:
             raise ValueError("cannot allocate a sequence of 0 tokens")
         hits, h, serial = self.match(tokens)
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)   # they leave the evictable list
-        need = self.blocks_for(len(tokens)) - len(hits)
-        if need > self.num_free - revived:
-            raise paged.PoolFullError(f"{need} blocks needed, {self.num_free - revived} free of {self.num_blocks}")
+        need, room = self._need_and_room(hits, len(tokens))
+        if need > room:
+            raise paged.PoolFullError(f"{need} blocks needed, {room} free of {self.num_blocks}")
         for block in hits:
             self.evictable.pop(block, None)
             self.ref_counts[block] += 1

@@ -4,12 +4,26 @@
     python 13_continuous_batching_demo.py --plot ch9-timeline.png  # the schedule as a timeline, vs static batching
     python 13_continuous_batching_demo.py --kv-memory 16MB --no-compare   # a pool too small: preemptions
     python 13_continuous_batching_demo.py --small                  # a quick look
+    python 13_continuous_batching_demo.py --clock steps            # the same schedule on every machine
 
 Requests of the mixed workload (kit.workloads.mixed_workload, budgets scaled by
 --output-scale) arrive at Poisson times (--rate per second), and the same arrivals go to three servers:
 continuous (ContinuousBatchingEngine.submit() at each arrival, from a thread), static (a FIFO server
 that, whenever it is free, runs everything that has arrived as one Chapter 5 batch) and sequential
 (the same server, one request at a time). Times count from the first arrival.
+
+What varies with the machine: arrivals are in seconds (--clock wall, the default), and a step's
+length is not, so a slower machine sees more requests arrive while a step runs. Which step
+admits whom, and so the whole trace, changes with it (where one machine admits r3 to r5 in
+one step, a slower one may admit r2 to r4), and so do the three servers' ratios: on a
+loaded machine the static server has come out at 0.6x the sequential one. With
+--clock steps, request i instead arrives at the end of step floor(t_i / 0.25 s), as if
+every step took 0.25 s (an idle engine skips to the next arrival), so every column of the
+trace but the times is the same on every machine; the static and sequential servers then
+replay the arrivals as they happened, in seconds. Run time, on a 2-core AMD EPYC virtual
+machine with one torch thread (2026-12-04): the default run took 36 s while the machine was
+quiet (37 s with --clock steps), and --small --clock steps 186 s at a load average of 15; on
+another 2-core machine, loaded, the default run took 177 s.
 """
 
 from __future__ import annotations
@@ -76,6 +90,9 @@ class Tracer:
 # --8<-- [end:tracer]
 
 
+STEP_S = 0.25   # --clock steps: the length of a step, as far as arrivals are concerned
+
+
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     """Poisson arrivals: exponential gaps with mean 1/rate seconds, the first at 0."""
     rng = random.Random(seed)
@@ -84,20 +101,24 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 # --8<-- [start:replay]
 def run_continuous(engine: TracedEngine, items: list[WorkItem], arrivals: list[float],
-                   params: SamplingParams) -> dict:
-    """Submit each request at its arrival time from a thread, as clients of a server would."""
+                   params: SamplingParams, step_s: float | None = None) -> dict:
+    """Submit each request at its arrival time from a thread, as clients of a server would.
+    With step_s (the step clock), request i is submitted at the end of step floor(arrivals[i] / step_s)
+    instead, and `arrivals` becomes the times it was submitted at."""
     t_start = time.perf_counter()
     tracer, streams = Tracer(engine, t_start), [None] * len(items)
     engine.on_step = tracer.on_step
+    if step_s is not None:
+        arrivals = submit_by_step(engine, tracer, items, [int(at / step_s) for at in arrivals], params, streams)
+    else:
+        def clients() -> None:
+            for i, (item, at) in enumerate(zip(items, arrivals)):
+                time.sleep(max(0.0, t_start + at - time.perf_counter()))
+                streams[i] = engine.submit(item.prompt, item.max_new_tokens, params)
 
-    def clients() -> None:
-        for i, (item, at) in enumerate(zip(items, arrivals)):
-            time.sleep(max(0.0, t_start + at - time.perf_counter()))
-            streams[i] = engine.submit(item.prompt, item.max_new_tokens, params)
-
-    thread = threading.Thread(target=clients)
-    thread.start()
-    thread.join()
+        thread = threading.Thread(target=clients)
+        thread.start()
+        thread.join()
     results = [list(s)[-1] for s in streams]      # text pieces, then the GenerateResult
     engine.on_step = None
     requests = []
@@ -107,7 +128,39 @@ def run_continuous(engine: TracedEngine, items: list[WorkItem], arrivals: list[f
                          "ids": res.output_ids, "preemptions": r.preemptions, "queue_ms": res.metrics.queue_ms,
                          "segments": [["waiting", at, segs[0][1]]] + segs})
     labels = {s.request_id: f"r{i}" for i, s in enumerate(streams)}
-    return {"name": "continuous", "requests": requests, "steps": tracer.steps, "labels": labels}
+    return {"name": "continuous", "requests": requests, "steps": tracer.steps, "labels": labels,
+            "arrivals": arrivals}
+
+
+def submit_by_step(engine: TracedEngine, tracer: Tracer, items: list[WorkItem], due: list[int],
+                   params: SamplingParams, streams: list) -> list[float]:
+    """The step clock: request i is handed over at the end of step due[i] (0: before the first),
+    from the engine loop's own thread, so it is in the scheduler's queue when the next step is
+    planned, however long the steps take. Returns when each was handed over, in seconds."""
+    submitted, clock, everyone_in = [0.0] * len(items), {"step": 0, "next": 0}, threading.Event()
+
+    def hand_over() -> None:           # all that are due in one go: they join the same step
+        first = clock["next"]
+        while clock["next"] < len(items) and due[clock["next"]] <= clock["step"]:
+            clock["next"] += 1
+        now = time.perf_counter() - tracer.t_start
+        new = [engine.new_request(it.prompt, it.max_new_tokens, params) for it in items[first:clock["next"]]]
+        streams[first:clock["next"]], submitted[first:clock["next"]] = engine.submit_all(new), [now] * len(new)
+        if clock["next"] == len(items):
+            everyone_in.set()
+
+    def on_step(work, events) -> None:
+        tracer.on_step(work, events)
+        clock["step"] += 1
+        if not engine.scheduler.has_work() and clock["next"] < len(items):
+            clock["step"] = max(clock["step"], due[clock["next"]])   # idle: the clock skips to the next arrival
+        hand_over()
+
+    engine.on_step = on_step
+    clock["step"] = due[0]
+    hand_over()
+    everyone_in.wait()
+    return submitted
 
 
 def static_batch(engine, items: list[WorkItem], params: SamplingParams) -> list:
@@ -263,7 +316,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output-scale", type=cli.number(above=0, high=16), default=None,
                         help="times each max_tokens (default 0.25)")
     parser.add_argument("--seed", type=cli.integer(0, 2**32 - 1), default=0, help="arrival times and prompt texts")
-    parser.add_argument("--kv-memory", default="512MB", help="KV pool of the continuous engine (default 512MB)")
+    parser.add_argument("--clock", choices=("wall", "steps"), default="wall",
+                        help=f"wall (default): arrivals in seconds, so the schedule depends on the machine's speed; "
+                             f"steps: request i arrives after step floor(t_i / {STEP_S} s), the same schedule anywhere")
+    parser.add_argument("--kv-memory", default="512MB",
+                        help="KV pool of the continuous engine (default 512MB; MB means MiB, 2**20 bytes)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (and static's batch)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step")
     parser.add_argument("--small", action="store_true", help="6 requests, budgets x0.125: a quick look")
@@ -299,9 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
     budgets = [it.max_new_tokens for it in items]
     print(f"\n[Workload] {len(items)} requests of data/mixed_workload.json: prompts {min(lengths)}-{max(lengths)} "
           f"tokens, budgets {min(budgets)}-{max(budgets)} (x{args.output_scale}), Poisson arrivals at "
-          f"{args.rate:g}/s over {arrivals[-1]:.1f} s; greedy")
+          f"{args.rate:g}/s over {arrivals[-1]:.1f} s" + (f", counted in steps of {STEP_S} s" if args.clock == "steps"
+                                                          else "") + "; greedy")
     engine.generate("Hello", 2)        # warm-up: the first step pays for lazy initialisation
-    runs = [run_continuous(engine, items, arrivals, params)]
+    runs = [run_continuous(engine, items, arrivals, params, STEP_S if args.clock == "steps" else None)]
+    arrivals = runs[0]["arrivals"]     # the step clock's arrivals, as they happened in seconds
     print_trace(runs[0], engine.blocks.num_blocks)
     if not args.no_compare:
         static = static09.StaticBatchEngine(args.model, device=args.device, dtype=engine04.DTYPES[args.dtype],

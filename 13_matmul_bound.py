@@ -11,12 +11,14 @@ schedule can beat is the workload's weight FLOPs, the same whatever the shapes, 
 machine's matmul peak measured as in Chapter 4 (08_roofline.py).
 
     python 13_matmul_bound.py                       # the 32-request mixed workload, all at once
-    python 13_matmul_bound.py --requests 8          # a quicker look
+    python 13_matmul_bound.py --requests 8          # a quicker look: 8 requests, budgets cut to 8/32
+    python 13_matmul_bound.py --device cuda         # on a GPU (the default is the best device there is)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import time
 from types import SimpleNamespace
@@ -35,9 +37,12 @@ roofline = importlib.import_module("08_roofline")        # Chapter 4: the machin
 def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
     """One forward's weight matmuls and nothing else: `tokens` rows through every layer's four
     matrices, `heads` rows (the sequences that sample) through the LM head."""
-    c = model.config
-    hidden, inner = torch.randn(tokens, c.hidden_size), torch.randn(tokens, c.intermediate_size)
-    last = torch.randn(heads, c.hidden_size)
+    c, device = model.config, model.device
+    hidden = torch.randn(tokens, c.hidden_size, device=device)
+    inner = torch.randn(tokens, c.intermediate_size, device=device)
+    last = torch.randn(heads, c.hidden_size, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)   # a GPU runs ahead of Python
+    sync()
     t0 = time.perf_counter()
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
@@ -45,6 +50,7 @@ def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
             model.linear(x, p + name)
     if heads:
         model.linear(last, "lm_head")
+    sync()
     return (time.perf_counter() - t0) * 1e3
 # --8<-- [end:matmuls]
 
@@ -60,20 +66,25 @@ def matmul_flops(model, tokens: int = 1, heads: int = 1) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 9: the matmuls' bound on continuous batching.")
-    cli.add_model_flags(parser, device=False, threads=True)
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--requests", type=cli.integer(1, 1000), default=32,
-                        help="first N of the mixed workload (default 32)")
+                        help="first N of the mixed workload (default 32); fewer also cuts every answer's "
+                             "budget by N/32, or its 256-token answers would still take 258 steps")
     args = parser.parse_args()
     try:
-        engine = cb.ContinuousBatchingEngine(args.model, device="cpu")
+        engine = cb.ContinuousBatchingEngine(args.model, device=args.device)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     params = engine04.SamplingParams(ignore_eos=True)
     items = workloads.mixed_workload(engine.tokenizer, args.requests)
+    if args.requests < 32:
+        items = [dataclasses.replace(it, max_new_tokens=max(2, it.max_new_tokens * args.requests // 32))
+                 for it in items]
     engine.generate(items[0].prompt, 2, params)                  # warm-up
     shapes = []
     engine.on_step = lambda work, events: shapes.append((work.num_tokens, len(events)))
-    print(f"[run] {len(items)} requests of the mixed workload, all at once ...", flush=True)
+    cut = f" (budgets cut to {args.requests}/32)" if args.requests < 32 else ""
+    print(f"[run] {len(items)} requests of the mixed workload{cut}, all at once ...", flush=True)
     t0 = time.perf_counter()
     streams = [engine.submit(it.prompt, it.max_new_tokens, params) for it in items]   # each its own budget
     results = [stream.result() for stream in streams]
@@ -94,7 +105,8 @@ def main() -> None:
     # --8<-- [end:peak]
     engine.close()
 
-    print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {torch.get_num_threads()} CPU threads\n")
+    where = f"{torch.get_num_threads()} CPU threads" if engine.device.type == "cpu" else str(engine.device)
+    print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {where}\n")
     print(f"  {'':<34}{'seconds':>9}{'tokens/s':>10}")
     print(f"  {'continuous batching, measured':<34}{wall:>9.1f}{tokens / wall:>10.1f}")
     print(f"  {'the same steps, matmuls alone':<34}{bound:>9.1f}{tokens / bound:>10.1f}")

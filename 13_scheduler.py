@@ -94,9 +94,10 @@ class Scheduler:
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
         budget = self.max_num_batched_tokens - out.num_tokens
-        # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow.
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and not out.preempted and self.blocks.can_allocate(self.waiting[0].num_tokens)):
+        # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow;
+        # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
+               and self.blocks.can_allocate_prompt(self.waiting[0].tokens(0, self.waiting[0].num_tokens))):
             r = self.waiting.popleft()
             r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
             r.admitted = r.admitted or time.perf_counter()

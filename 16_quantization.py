@@ -36,7 +36,8 @@ KERNEL_DTYPE = torch.bfloat16           # the activations the packed kernels rea
 
 # --8<-- [start:int8]
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric, one scale per output channel: w[n, k] ~ q[n, k] * scale[n], q in -127..127."""
+    """Symmetric, one scale per output channel: w[n, k] ~ q[n, k] * scale[n], q in -127..127
+    (an int8 also holds -128, left unused so that +w and -w get codes of the same size)."""
     w = w.float().contiguous()   # row-major codes, as the packed kernel reads them, whatever w's layout
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127   # the row's largest |w| becomes 127
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -131,6 +132,15 @@ class Int8Weight(QuantizedWeight):
 
 
 # --8<-- [start:int4-pack]
+def inner_k_tiles(k: int) -> int:
+    """How many 16-input k-tiles CUDA's int4 packer lays side by side: 8, 4 or 2, and they must
+    divide the layer's k inputs evenly. The largest that fits: SmolLM2's 576 inputs (36 tiles) take 4."""
+    for tiles in (8, 4, 2):
+        if k % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"CUDA's int4 kernel needs a multiple of 32 inputs, the layer has {k}")
+
+
 class Int4Weight(QuantizedWeight):
     """Group-wise int4. The fast path keeps only the kernel's packed copy (two codes per
     byte, in the tile order the kernel walks) and scale/zero as one [groups, out, 2] tensor."""
@@ -147,9 +157,9 @@ class Int4Weight(QuantizedWeight):
         self.scale_zero = torch.stack([self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()
         if w.device.type == "cpu":   # the CPU kernel packs from one int32 code per weight
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        else:   # CUDA's tinygemm (untested here: no GPU): two codes per byte first, 8 inner k-tiles
+        else:   # CUDA's tinygemm (not run here: no GPU): two codes per byte first
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(self.shape[1]))
         del self.scale, self.zero    # they live on in scale_zero
 
     def tensors(self):

@@ -5,10 +5,15 @@ alternate the engines, so a busy machine slows all of them alike; perplexity on 
 held-out public-domain text (data/heldout_ruth_kjv.txt, never shown to the model as a
 prompt anywhere else); and greedy agreement with float32 on the reference prompts.
 
-    python 16_quantization.py                  # the table (a few minutes on a laptop CPU)
+    python 16_quantization_demo.py             # the table: long (see below)
     python 16_quantization_demo.py --plot book/assets/ch12-quantization.png
     python 16_quantization_demo.py --modes none int8 int4-g32 --rounds 1
     python 16_quantization_demo.py --replot book/outputs/16_quantization_demo.txt --plot ch12.png   # no measuring
+    python 16_quantization_demo.py --device cuda   # (the default is the best device there is)
+
+Run time: `python 16_quantization_demo.py --threads 1` took 65 minutes on a 2-core AMD EPYC
+virtual machine shared with other work (load average about 14, 2026-12-04), of which 20
+minutes were its own CPU time; --modes and --rounds (e.g. the third line above) cut it down.
 """
 
 from __future__ import annotations
@@ -207,7 +212,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 12: weight formats measured side by side.")
-    cli.add_model_flags(parser, device=False, threads=True)
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES,
                         help="none, bf16, fp16, int8, int4-g32, ...; '-f32head' keeps the head in float32, "
                              "'-int4head' packs it in int4 too")
@@ -239,13 +244,13 @@ def main() -> None:
             parse_mode(spec)
         if specs[0] != "none":
             specs.insert(0, "none")                # float32 is what every ratio is against
-        base = engine10.ModelEngine(args.model, device="cpu")
+        base = engine10.ModelEngine(args.model, device=args.device)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     engines = {}
     for spec in specs:
         engines[quant16.describe(*parse_mode(spec))] = variant(base, spec)
-    hf = None if args.no_hf else engine04.BaselineEngine(args.model, device="cpu")
+    hf = None if args.no_hf else engine04.BaselineEngine(args.model, device=args.device)
     tok = base.tokenizer
     anchors = {"HF generate (float32)": hf} if hf else {}
     if args.llama_cpp:
@@ -273,8 +278,9 @@ def main() -> None:
         rows.append({"name": "HF generate (float32)", "mb": mb, "b1": speed["HF generate (float32)"][0]})
     if LLAMA_CPP in anchors:
         rows.append({"name": LLAMA_CPP, "mb": anchors[LLAMA_CPP].file_bytes / 1e6, "b1": speed[LLAMA_CPP][0]})
+    where = f"{torch.get_num_threads()} CPU threads" if base.device.type == "cpu" else str(base.device)
     print(f"\n[Chapter 12] {setup.DEFAULT_MODEL if args.model is None else args.model} on "
-          f"{torch.get_num_threads()} CPU threads; perplexity over {len(ids)} held-out tokens; agreement over "
+          f"{where}; perplexity over {len(ids)} held-out tokens; agreement over "
           f"{len(refs)} reference prompts x {args.max_new_tokens} greedy tokens; speed: median of "
           f"{2 * args.rounds} (batch 1) and {args.rounds} (batch 32) alternating rounds, {args.max_new_tokens} "
           f"new tokens, ratios to float32")

@@ -9,10 +9,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install model run setup test test-fast book book-build book-outputs clean
 
-$(STAMP): pyproject.toml scripts/install_torch.sh
+# constraints.txt pins the versions the book and the tests were run with (scripts/make_constraints.py)
+$(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
 	bash scripts/install_torch.sh $(PY)
-	$(PY) -m pip install --disable-pip-version-check -q -e ".[dev]"
+	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -138,7 +138,8 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="format of the embedding/LM head (default auto: the layers', int8 for int4)")
     g.add_argument("--prefix-caching", action="store_true", default=None,
                    help="share the KV blocks of prompt prefixes seen before (Chapter 8)")
-    g.add_argument("--kv-memory", type=byte_size, default=None, help="KV pool size, e.g. 512MB (Chapter 7)")
+    g.add_argument("--kv-memory", type=byte_size, default=None,
+                   help="KV pool size, e.g. 512MB; MB means MiB, 2**20 bytes (Chapter 7)")
     g.add_argument("--block-size", type=integer(1, 1024), default=None, help="tokens per KV block (Chapter 7)")
     g.add_argument("--max-num-seqs", type=integer(1, 65536), default=None,
                    help="sequences in one step, at most (Chapter 9)")

@@ -200,6 +200,16 @@ CAPTURES = [
     Capture("16_quantization_ceiling", ["python 16_quantization_ceiling.py --rounds 9"], timeout_s=1800),
     # Chapter 13 (compiled steps): one thread, as the other timed captures of a shared machine
     Capture("17_compile", ["python 17_compile.py --threads 1"], timeout_s=1800),
+    # Chapter 13 beside vLLM: the eager and the compiled assembled engine, the same 32 requests, one run
+    Capture("17_compile_vllm", [
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
+        " --runs 1 --engine 13_continuous_batching_engine:ContinuousBatchingEngine --engine 17_compile:CompiledEngine"
+        " --peer vllm",
+    ], timeout_s=3600, peer=True),
+    Capture("17_compile_vllm_2048", [
+        "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
+        " --runs 1 --engine 17_compile:CompiledEngine --peer vllm --max-num-batched-tokens 2048",
+    ], timeout_s=3600, peer=True),
     Capture("17_compile_kernel", ["python 17_compile.py --show-kernel"], timeout_s=600),
     Capture("17_compile_demo", ["python 17_compile_demo.py --threads 1 --thread-counts 1 2 "
                                 "--plot book/assets/ch13-step.png"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import load_script
@@ -97,6 +99,33 @@ def test_preemption_shows_in_the_trace_and_changes_no_output(engine, tiny_model_
     tight.close()
     alone = demo.run_continuous(engine, items, arrivals, GREEDY)
     assert [r["ids"] for r in run["requests"]] == [r["ids"] for r in alone["requests"]]
+
+
+def test_the_step_clock_gives_the_same_schedule_however_long_steps_take(engine, workload, monkeypatch):
+    """--clock steps: request i arrives at the end of step floor(t_i / step_s), so a slow machine
+    (here: every step 30 ms longer) admits the same requests in the same steps."""
+    items = workload[0]
+    arrivals = [0.0, 0.5, 0.6, 1.2, 9.0, 9.1]                  # due after steps 0, 2, 2, 4, 36, 36
+
+    def schedule(run):                                            # request ids differ between runs: labels
+        name = run["labels"].get
+        return [(s["step"], [(name(c[0]), *c[1:]) for c in s["chunks"]], s["decodes"], list(map(name, s["finished"])),
+                 s["free"], s["waiting"]) for s in run["steps"]]
+
+    fast = demo.run_continuous(engine, items, arrivals, GREEDY, step_s=0.25)
+    real_step = engine.runner.step
+    monkeypatch.setattr(engine.runner, "step", lambda *a: time.sleep(0.03) or real_step(*a))
+    slow = demo.run_continuous(engine, items, arrivals, GREEDY, step_s=0.25)
+    assert schedule(fast) == schedule(slow)
+    check_trace(slow, engine, items)
+    check_segments(slow)
+    ids = {label: rid for rid, label in slow["labels"].items()}
+    admitted = {label: next(s["step"] for s in slow["steps"] for c in s["chunks"] if c[:2] == (rid, 0))
+                for label, rid in ids.items()}
+    assert admitted["r0"] == 1 and admitted["r1"] == 3                         # it joins the step after
+    done = max(s["step"] for s in slow["steps"] for rid in s["finished"] if rid in [ids[f"r{i}"] for i in range(4)])
+    assert done < 36 and admitted["r4"] == done + 1                            # an idle engine skips ahead
+    assert slow["arrivals"] == sorted(slow["arrivals"]) and slow["arrivals"][0] < 0.05   # when handed over
 
 
 def test_static_and_sequential_timelines(tiny_model_dir, workload, roomy):

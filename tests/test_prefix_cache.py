@@ -13,6 +13,7 @@ from conftest import load_script
 pc = load_script("12_prefix_cache")
 engine12 = load_script("12_prefix_cache_engine")
 paged = load_script("11_paged_kv")
+sched13 = load_script("13_scheduler")
 contracts = load_script("03_contracts")
 server = load_script("05_server")
 
@@ -243,11 +244,13 @@ def test_a_thousand_random_requests_leak_nothing():
     running: dict[int, list[int]] = {}
     for seq_id in range(1000):
         tokens = rng.choice(stems)[:rng.randrange(1, 30)] + [rng.randrange(100) for _ in range(rng.randrange(0, 6))]
+        fits = m.can_allocate_prompt(tokens)        # the scheduler's question, asked before allocating
         try:
             hit = m.allocate_prompt(seq_id, tokens)
         except paged.PoolFullError:
-            assert m.blocks_for(len(tokens)) > m.num_free
+            assert m.blocks_for(len(tokens)) > m.num_free and not fits
         else:
+            assert fits
             assert hit % BS == 0 and hit < len(tokens)
             assert tokens[:hit] == [t for b in m.tables[seq_id][:hit // BS] for t in m.content[b].tokens]
             running[seq_id] = tokens
@@ -271,6 +274,43 @@ def test_a_thousand_random_requests_leak_nothing():
     check_invariants(m)
     assert len(m.free_blocks) + len(m.evictable) == m.num_blocks and not m.tables
     assert m.hit_tokens > 0 and len(m.evictable) > 0
+
+
+def test_admission_counts_the_blocks_a_prompt_finds_cached():
+    """10 blocks of 4. A's 30 tokens hold 8 blocks, 7 of them full and cached; 2 are free. B starts
+    with A's first 28 tokens: it shares 7 blocks and needs 1, so the scheduler admits it now. C's
+    prefix is cached too, but in blocks nobody holds: sharing them takes them off the evictable
+    list, so they do not count as room as well, and C waits instead of failing to allocate."""
+    blocks = pc.PrefixCachingBlockManager(10, BS)
+    s = sched13.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+
+    def request(rid, prompt):
+        return sched13.Request(rid, prompt, GREEDY, 2, detok=None, generator=None)
+
+    stem = list(range(100, 128))                              # 7 blocks
+    a, b = request(0, stem + [1, 2]), request(1, stem + [3, 4])
+    s.add(a)
+    assert s.schedule().requests == [a]
+    a.num_computed = a.num_tokens
+    blocks.cache_computed(a.id, a.tokens(0, a.num_tokens))    # after its prefill: 7 blocks findable
+    a.new_ids.append(7)
+    s.add(b)
+    assert blocks.num_free == 2 and not blocks.can_allocate(b.num_tokens)   # a whole prompt's worth is not free
+    work = s.schedule()
+    assert work.requests == [a, b] and b.num_computed == 28 and work.lengths == [1, 2]
+    assert blocks.tables[b.id][:7] == blocks.tables[a.id][:7] and blocks.num_free == 1
+
+    s.finish(a)
+    s.finish(b)                                               # 7 shared blocks evictable, 3 free
+    x = request(2, list(range(200, 208)))                     # 2 blocks of other tokens: 1 left free
+    s.add(x)
+    s.schedule()
+    c = request(3, stem + list(range(6)))                     # 7 cached blocks (all evictable) + 2 new
+    s.add(c)
+    assert blocks.num_free == 8 and not blocks.can_allocate_prompt(c.tokens(0, c.num_tokens))
+    assert c not in s.schedule().requests and list(s.waiting) == [c]
+    s.finish(x)
+    assert c in s.schedule().requests and c.num_computed == 28
 
 
 def test_bad_calls_are_value_errors():

@@ -82,6 +82,19 @@ def test_fast_int4_is_smaller_than_reference_and_int8():
         int4.dequantize()
 
 
+def test_cuda_int4_packing_fits_the_inner_k_tiles_to_the_layer():
+    """CUDA's packer lays 2, 4 or 8 k-tiles of 16 inputs side by side and refuses a k they do
+    not divide: SmolLM2's 576 inputs (36 tiles) need 4, not 8. The CUDA branch is checked on
+    the meta device, which computes the packed shape without data (or a GPU)."""
+    assert [quant16.inner_k_tiles(k) for k in (576, 1536, 4096, 64, 32, 96)] == [4, 8, 8, 4, 2, 2]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant16.inner_k_tiles(48)
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):   # qkv, o, gate_up, down
+        packed = quant16.Int4Weight(torch.empty(n, k, device="meta"), 32).packed
+        tiles = packed.shape[3] * 2                 # [n / 8, k / (tiles * 16), 32, tiles / 2]
+        assert packed.shape[0] * 8 == n and packed.shape[1] * tiles * 16 == k
+
+
 def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model_dir):
     """Packed int4 rows cannot be read back, so the tied matrix splits: int4 for the logits, int8 for lookups."""
     base = model10.LlamaModel.from_folder(tiny_model_dir)
@@ -354,6 +367,15 @@ def test_ceiling_parts_run_on_every_format(tiny_model_dir):
         assert logits.shape == (1, base.config.vocab_size) and not logits.any()
         assert model.forward(batch, model.new_cache(1, 8)).any()     # the original is untouched
         assert ceiling.matmuls_ms(model) > 0 and ceiling.step_ms(model, context=3, steps=2) > 0
+
+
+def test_ceiling_flags_parts_that_add_up_to_more_than_the_whole():
+    """Timed apart on a busy machine, matmuls + everything else can exceed the whole step: the
+    script must say so rather than print a breakdown that cannot be one."""
+    ceiling = load_script("16_quantization_ceiling")
+    median = {"float32": [20.6, 3.1, 27.7], "int8": [13.0, 3.1, 17.4],     # quiet: the parts fit
+              "int4 g32": [9.0, 4.5, 11.9], "int4 g64": [7.8, 3.1, 11.0]}   # 13.5 > 11.9; 10.9 is noise
+    assert ceiling.parts_exceeding_the_whole(median) == ["int4 g32"]
 
 
 def test_decode_rate_uses_tpot_or_takes_the_prefill_off(tiny_model_dir):
