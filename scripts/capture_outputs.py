@@ -206,6 +206,11 @@ CAPTURES = [
         " --runs 1 --engine 13_continuous_batching_engine:ContinuousBatchingEngine --engine 17_compile:CompiledEngine"
         " --peer vllm",
     ], timeout_s=3600, peer=True),
+    Capture("17_compile_vllm_2threads", [
+        "OMP_NUM_THREADS=2 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
+        " --runs 1 --engine 13_continuous_batching_engine:ContinuousBatchingEngine --engine 17_compile:CompiledEngine"
+        " --peer vllm",
+    ], timeout_s=3600, peer=True),
     Capture("17_compile_vllm_2048", [
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
         " --runs 1 --engine 17_compile:CompiledEngine --peer vllm --max-num-batched-tokens 2048",
