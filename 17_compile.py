@@ -15,6 +15,7 @@ Three changes, none of which touches the model's arithmetic:
                     kernel reads (vLLM's CPU backend does the same); float32 and bf16
     paged attention a decode row's attention written as plain torch over its block table;
                     torch.compile turns it into one C++ loop that reads keys where they lie
+                    (an option: on the CPU measured, Chapter 7's copy + SDPA was faster)
     fused glue      residual add + RMSNorm, RoPE on q and k, SiLU·mul: each one compiled
                     kernel instead of several
 
@@ -268,7 +269,7 @@ class CompiledModel(model10.LlamaModel):
 def compile_model(model: model10.LlamaModel, enabled: bool = True, paged_attention: bool = False) -> CompiledModel:
     """The plugin engines find by name: model -> the same model, compiled (kit/plugins.py).
     paged_attention: decode rows attend in place through the compiled kernel above, instead
-    of Chapter 7's copy and SDPA; off by default, since on the CPUs measured it was slower."""
+    of Chapter 7's copy and SDPA; off by default, since on the CPU measured it was slower."""
     if not isinstance(model, model10.LlamaModel):
         raise ValueError(f"compile works on a LlamaModel, got {type(model).__name__}")
     return CompiledModel.from_model(model, enabled, paged_attention)
