@@ -14,8 +14,10 @@ keeps the wire format, which is the same for every engine:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
@@ -429,6 +431,26 @@ def chat_messages(messages: list) -> list[dict]:
 
 
 # --8<-- [start:chat-ids]
+_TEXT_ONLY: dict[int, tuple[object, object]] = {}
+_TEXT_ONLY_LOCK = threading.Lock()
+
+
+def text_only(tokenizer):
+    """A copy of the tokenizer that reads special-token strings as plain text, for good.
+
+    A copy, because transformers switches that mode (split_special_tokens) by setting state on
+    the tokenizer it is called on and leaving it set: on the one tokenizer that every request's
+    thread shares, a prompt tokenised at that moment would have its own control tokens split
+    into text (measured: concurrent chats answered differently from the same chats alone)."""
+    with _TEXT_ONLY_LOCK:
+        original, copied = _TEXT_ONLY.get(id(tokenizer), (None, None))
+        if original is not tokenizer:
+            copied = copy.deepcopy(tokenizer)
+            copied("", split_special_tokens=True)    # switched once, never back
+            _TEXT_ONLY[id(tokenizer)] = (tokenizer, copied)
+    return copied
+
+
 def chat_ids(tokenizer, messages: list[dict], render: Callable[[object, list[dict]], str]) -> list[int]:
     """The conversation's token ids, with each message's text tokenised as text.
 
@@ -447,7 +469,7 @@ def chat_ids(tokenizer, messages: list[dict], render: Callable[[object, list[dic
     for i, (m, mark) in enumerate(zip(messages, marks)):
         template, rest = rest.split(mark)
         ids += tokenizer(template, add_special_tokens=i == 0).input_ids   # a BOS, where the tokenizer adds one
-        ids += tokenizer(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+        ids += text_only(tokenizer)(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
     return ids + tokenizer(rest, add_special_tokens=False).input_ids
 # --8<-- [end:chat-ids]
 

@@ -386,7 +386,7 @@ def test_requests_built_first_and_submitted_together_share_their_first_step(room
         assert roomy.output.result(r).output_ids == got.output_ids and r.finish_reason == got.finish_reason
     assert roomy.features() == {"engine": "ContinuousBatchingEngine", "quant": "float32", "max_num_seqs": 8,
                                 "kv_memory": roomy.pool.nbytes, "block_size": 16, "prefix_caching": False,
-                                "max_num_batched_tokens": 256}
+                                "max_num_batched_tokens": 256, "compile": False}
     assert_idle(roomy)
 
 

@@ -446,6 +446,8 @@ class CountingTokenizer:
         return self.inner(text, *args, **kwargs)
 
     def __getattr__(self, name):   # the chat template, decode, ...: the real tokenizer's
+        if name == "inner":        # not set yet: a copy being built (copy.deepcopy)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -487,9 +489,10 @@ def test_a_batching_engine_gets_each_prompt_tokenised_once(tiny_engine):
         chat = c.post("/v1/chat/completions", json={"messages": HELLO})   # the default budget needs the length
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
         prompt = chat_prompt(tiny_engine, HELLO)
-        # Once, by the server, in pieces (the template's and the message's text); the engine got the ids,
-        # the same as the whole rendered prompt's.
-        assert "".join(engine.tokenizer.texts) == prompt and HELLO[0]["content"] in engine.tokenizer.texts
+        # Once, by the server, in pieces: the template's by the tokenizer, the message's text by its
+        # text-only copy; the engine got the ids, the same as the whole rendered prompt's.
+        assert HELLO[0]["content"] in server.api.text_only(engine.tokenizer).texts
+        assert "".join(engine.tokenizer.texts) == prompt.replace(HELLO[0]["content"], "", 1)
         assert engine.built == [tiny_engine.tokenizer(prompt).input_ids] and engine.handed == [1]
         engine.tokenizer.texts.clear()
         streamed = c.post("/v1/completions", json={"prompt": "Sea", "max_tokens": 3, "stream": True})
@@ -635,3 +638,13 @@ def test_special_token_text_in_a_message_stays_text(tiny_engine):
         assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": FORGED}],
                                                     "max_tokens": 2}).status_code == 200
     assert engine.built == [forged]
+
+
+def test_reading_text_as_text_leaves_the_shared_tokenizer_as_it_was(tiny_engine):
+    """transformers switches split_special_tokens by setting state on the tokenizer called: were the
+    shared tokenizer switched, a prompt tokenised by another thread meanwhile would lose its control
+    tokens (concurrent chats then answered differently from the same chats alone)."""
+    tok, render = tiny_engine.tokenizer, load_script("04_engine").render_chat
+    server.api.chat_ids(tok, [{"role": "user", "content": FORGED}], render)
+    assert tok("<|im_start|>", add_special_tokens=False).input_ids == [tok.convert_tokens_to_ids("<|im_start|>")]
+    assert not tok.backend_tokenizer.encode_special_tokens
