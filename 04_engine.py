@@ -17,126 +17,22 @@ import json
 import os
 import threading
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
 
-from kit import cli, plugins
-from kit import threads as cpu_threads
+from kit import cli
+from minivllm import threads as cpu_threads
+from kit.engines import MOVED_ENGINES, load_engine  # noqa: F401  (how the server and benchmarks build any engine)
+from minivllm import contracts, model_files
+from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
+from minivllm.text import IncrementalDetokenizer, attach_logprobs, render_chat, tokenize  # noqa: F401
 
 setup = importlib.import_module("01_setup")
-contracts = importlib.import_module("03_contracts")
 hf_hooks = importlib.import_module("04_hf_hooks")   # how HF's generate honours SamplingParams
-SamplingParams = contracts.SamplingParams
-GenerateResult = contracts.GenerateResult
-RequestMetrics = contracts.RequestMetrics
-
-
-# --8<-- [start:interface]
-class BaseOfflineEngine(ABC):
-    """Text in, GenerateResult out. Every chapter's engine is one of these."""
-
-    @abstractmethod
-    def generate(
-        self,
-        prompt: str,
-        max_new_tokens: int,
-        params: SamplingParams | None = None,
-    ) -> GenerateResult: ...
-
-    @abstractmethod
-    def generate_batch(
-        self,
-        prompts: list[str],
-        max_new_tokens: int,
-        params: SamplingParams | None = None,
-    ) -> list[GenerateResult]: ...
-# --8<-- [end:interface]
-
-
-# --8<-- [start:stop-text]
-class IncrementalDetokenizer:
-    """Turn generated ids into text pieces as they arrive, and honour stop strings.
-
-    A piece is only released once it is final: not the first bytes of a character
-    still being spelled out, and not text that might be the start of a stop string.
-    """
-
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.ids: list[int] = []
-        self.text = ""          # all text so far (cut at the stop string once one is seen)
-        self.released = 0       # how many characters of self.text were handed out
-        self.stopped = False    # a stop string was found
-
-    def add(self, token_id: int) -> str:
-        """Append one token; return the text that became safe to show."""
-        self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if self.text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
-            return ""
-        hits = [self.text.find(s) for s in self.stop if s in self.text]
-        if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
-            return self._release(len(self.text))
-        # Hold back a tail that could still grow into a stop string.
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        return self._release(len(self.text) - hold)
-
-    def flush(self) -> str:
-        """The request ended: release whatever was held back."""
-        return self._release(len(self.text))
-
-    def _release(self, upto: int) -> str:
-        piece = self.text[self.released: upto] if upto > self.released else ""
-        self.released = max(self.released, upto)
-        return piece
-# --8<-- [end:stop-text]
-
-
-def attach_logprobs(piece: str, logprobs: list | None, sent: int, upto: int | None = None) -> tuple[str, int]:
-    """Hand the log-probabilities not yet sent out (of the first `upto` tokens) with the next
-    non-empty text piece. Returns the piece (a TextPiece when it carries some) and how many are now sent.
-    """
-    end = len(logprobs or ()) if upto is None else min(upto, len(logprobs or ()))
-    if logprobs is None or not piece or sent >= end:
-        return piece, sent
-    return contracts.TextPiece(piece, logprobs[sent:end]), end
-
-
-# --8<-- [start:tokenize]
-def tokenize(tokenizer, prompt: str | list[int], max_new_tokens: int, context_length: int,
-             vocab_size: int | None = None) -> list[int]:
-    """A prompt's token ids, refusing requests the model cannot serve. Every engine checks here.
-
-    A list of ids is taken as tokenised already (the server tokenises a prompt once and
-    hands the ids on); they must name tokens of the vocabulary.
-    """
-    if isinstance(prompt, list):
-        if not prompt or vocab_size is None or not all(
-                contracts.is_integer(t) and 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be a non-empty list of integers in [0, {vocab_size})")
-        ids = prompt
-    elif not isinstance(prompt, str) or not prompt:
-        raise ValueError("prompt must be a non-empty string")
-    else:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:   # "\ud800": half of a UTF-16 pair, which no tokenizer reads
-            raise ValueError(f"prompt is not valid Unicode text: a lone surrogate at character {exc.start}") from None
-        ids = tokenizer(prompt).input_ids
-    contracts.check_max_new_tokens(max_new_tokens)
-    if len(ids) + max_new_tokens > context_length:
-        raise ValueError(
-            f"This model's maximum context length is {context_length} tokens. However, you "
-            f"requested {len(ids) + max_new_tokens} tokens ({len(ids)} in the prompt, "
-            f"{max_new_tokens} for the completion). Please shorten the prompt or max_new_tokens.")
-    return ids
-# --8<-- [end:tokenize]
 
 
 class BaselineEngine(BaseOfflineEngine):
@@ -144,11 +40,12 @@ class BaselineEngine(BaseOfflineEngine):
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32):
-        self.model_name = model_name or os.environ.get(setup.MODEL_ENV_VAR) or setup.DEFAULT_MODEL
-        self.device = setup.pick_device(device)
+                 dtype: torch.dtype = torch.float32, structured_output=None):
+        self.model_name = model_name or os.environ.get(model_files.MODEL_ENV_VAR) or model_files.DEFAULT_MODEL
+        self.device = model_files.pick_device(device)
+        self.structured_output = structured_output   # Chapter 11's grammars, when whoever builds us passes them
         print(f"[engine] loading {self.model_name} on {self.device} ...", flush=True)
-        self.tokenizer, self.model = setup.load_model(model_name, self.device, dtype)
+        self.tokenizer, self.model = model_files.load_model(model_name, self.device, dtype)
         self.context_length = int(self.model.config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         print("[engine] ready", flush=True)
@@ -201,7 +98,9 @@ class BaselineEngine(BaseOfflineEngine):
         if params.presence_penalty or params.frequency_penalty:
             processors.append(hf_hooks.OutputPenalties(params, n_prompt))
         if params.structured is not None:   # Chapter 11's grammar, last: it only removes tokens
-            processors.append(plugins.plugin("structured_output_hf")(
+            if self.structured_output is None:
+                raise ValueError(contracts.NO_STRUCTURED_OUTPUT)
+            processors.append(self.structured_output.hf_processor(
                 self.tokenizer, self.vocab_size, self.eos_token_ids, params.structured))
         return LogitsProcessorList(processors)
     # --8<-- [end:generation-config]
@@ -269,8 +168,7 @@ class BaselineEngine(BaseOfflineEngine):
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
         # One after another: correct, but the hardware idles. Chapter 5 batches them.
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a list of strings")
+        contracts.check_prompts(prompts)
         budget = SamplingParams.or_default(params).token_budget(max_new_tokens)
         for p in prompts:          # refuse bad input before any work: all of the list or none
             self.encode(p, budget)
@@ -336,54 +234,12 @@ class BaselineEngine(BaseOfflineEngine):
     # --8<-- [end:stream]
 
 
-# --8<-- [start:load-engine]
-# Engines that moved to their own files as the book grew: the old specs, in notes and in earlier
-# captures, keep working. One table, read only here.
-MOVED_ENGINES = {
-    "10_model:ModelEngine": "10_model_engine:ModelEngine",
-    "11_paged_kv:PagedEngine": "11_paged_kv_engine:PagedEngine",
-    "12_prefix_cache:PrefixCachingEngine": "12_prefix_cache_engine:PrefixCachingEngine",
-    "13_continuous_batching:ContinuousBatchingEngine": "13_continuous_batching_engine:ContinuousBatchingEngine",
-    **{f"16_quantization:{name}": f"16_quantization_engine:{name}"
-       for name in ("QuantizedEngine", "BF16Engine", "Int8Engine", "Int4Engine")},
-}
-
-
-def load_engine(spec: str = "04_engine:BaselineEngine", model: str | None = None,
-                device: str | None = None, **kwargs) -> BaseOfflineEngine:
-    """Build any chapter's engine from 'module:Class', e.g. '07_decode_loop:DecodeLoopEngine'.
-
-    This is how the server and the benchmarks stay unchanged as chapters add engines.
-    """
-    try:
-        engine_class = plugins.load_object(MOVED_ENGINES.get(spec, spec), "Class")   # 'module:attribute', imported
-    except ValueError as exc:
-        raise ValueError(f"cannot load engine {spec!r}: {exc}") from None
-    if not (isinstance(engine_class, type) and issubclass(engine_class, BaseOfflineEngine)) \
-            or inspect.isabstract(engine_class):
-        raise ValueError(f"{spec!r} is not an engine: a concrete BaseOfflineEngine subclass")
-    try:
-        inspect.signature(engine_class).bind(model, device=device, **kwargs)
-    except TypeError as exc:   # e.g. --kv-memory for an engine without a KV pool
-        raise ValueError(f"{spec} does not take {', '.join(kwargs) or 'Class(model, device=...)'}: {exc}") from None
-    return engine_class(model, device=device, **kwargs)
-# --8<-- [end:load-engine]
 
 
 def reference_prompts() -> list[str]:
     """The committed prompts on which every engine must match the baseline token for token."""
     path = setup.REPO_ROOT / "data" / "reference_prompts.json"
     return json.loads(path.read_text())["prompts"]
-
-
-# --8<-- [start:chat]
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """A conversation as the model was trained to read it (its chat template)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # A base model without a template: a plain transcript is the honest fallback.
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-# --8<-- [end:chat]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from kit import cli, threads
+from kit import cli
+from minivllm import threads
 
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")

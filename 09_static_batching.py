@@ -33,6 +33,7 @@ from statistics import median
 import torch
 
 from kit import cli
+from minivllm import contracts
 
 decode_loop = importlib.import_module("07_decode_loop")
 engine04 = decode_loop.engine04
@@ -43,10 +44,10 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
     """Chapter 5: generate_batch runs up to max_batch_size prompts through one decode loop."""
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32):
+                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32, structured_output=None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
-        super().__init__(model_name, device, dtype)
+        super().__init__(model_name, device, dtype, structured_output)
         self.max_batch_size = max_batch_size
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)  # never attended anyway
@@ -70,8 +71,7 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
     # --8<-- [start:generate-batch]
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a list of strings")
+        contracts.check_prompts(prompts)
         t0 = time.perf_counter()           # every request was submitted now: TTFT counts from here
         params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)

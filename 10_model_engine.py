@@ -12,58 +12,51 @@ each decode step. Each request owns one contiguous row of the KV cache, sized fo
 longest possible life; Chapter 7 replaces rows by blocks.
 
     python 10_model_engine.py                                    # one prompt, as 04_engine.py
-    python 10_model_engine.py --quant int8                       # ... on Chapter 12's int8 weights
     python 06_benchmark_offline.py --engine 04_engine:BaselineEngine --engine 10_model_engine:ModelEngine
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 import torch
 
-setup = importlib.import_module("01_setup")
+from minivllm.contracts import BaseOfflineEngine, GenerateResult, SamplingParams, check_prompts, is_integer
+from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device
+from minivllm.model_runner import ModelRunner, load_model
+from minivllm.output import OutputProcessor, Request
+from minivllm.text import tokenize
+
 engine04 = importlib.import_module("04_engine")
-decode_loop = importlib.import_module("07_decode_loop")
-runner10 = importlib.import_module("10_model_runner")
-SamplingParams, GenerateResult = engine04.SamplingParams, engine04.GenerateResult
-Request = decode_loop.Request
 
-DEFAULT_KV_MEMORY = 2 << 30   # bytes of KV cache one generate_batch chunk may allocate
+DEFAULT_KV_MEMORY = 2 << 30   # bytes of KV cache one generate_batch chunk may allocate (rows, not blocks)
 
 
-class ModelEngine(engine04.BaseOfflineEngine):
+class ModelEngine(BaseOfflineEngine):
     """Chapter 6: tokenizer + output processor + model runner, and the decode loop that drives them."""
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
-                 kv_memory: int = DEFAULT_KV_MEMORY, quant: str | None = None,
-                 group_size: int = 32, quant_head: str = "auto", compile: bool = False):
-        from transformers import AutoTokenizer   # the tokenizer only: no HF modelling code
-
+                 kv_memory: int = DEFAULT_KV_MEMORY, weight_steps: Sequence = (), structured_output=None):
         for name, value in (("max_num_seqs", max_num_seqs), ("kv_memory", kv_memory)):
-            if not engine04.contracts.is_integer(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.model_name = model_name or setup.DEFAULT_MODEL
-        self.device = setup.pick_device(device)
-        self.folder = Path(setup.resolve_model(model_name))
-        if not self.folder.is_dir():   # a hub id: fetch its files once, where a hub is reachable
-            from huggingface_hub import snapshot_download
-            self.folder = Path(snapshot_download(str(self.folder), allow_patterns=["*.json", "*.safetensors"]))
+        self.model_name = model_name or DEFAULT_MODEL
+        self.device = pick_device(device)
+        self.folder = model_folder(model_name)
         print(f"[engine] loading {self.model_name} into LlamaModel on {self.device} ...", flush=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
-        model = runner10.load_model(self.folder, dtype, self.device, quant, group_size, quant_head, compile)
-        self.runner = runner10.ModelRunner(model, kv=None)   # Chapter 6: a KV cache per batch, made in run()
-        self.output = decode_loop.OutputProcessor(self.tokenizer, self._eos_ids(), model.config.vocab_size,
-                                                  self.device)
+        self.tokenizer = load_tokenizer(self.folder)
+        # weight_steps: what happens to the weights once read (a format of Chapter 12, say)
+        model = load_model(self.folder, dtype, self.device, weight_steps)
+        self.runner = ModelRunner(model, kv=None)   # Chapter 6: a KV cache per batch, made in run()
+        self.output = OutputProcessor(self.tokenizer, eos_token_ids(self.folder, self.tokenizer),
+                                      model.config.vocab_size, self.device, structured_output)
         self.context_length = model.config.max_position_embeddings
         self.max_num_seqs, self.kv_memory = max_num_seqs, kv_memory
-        self.quant = getattr(model, "format_name", None)   # None: the model's own float weights
+        self.quant = model.format_name   # None: the model's own float weights
         if self.quant:
             print(f"[engine] weights: {self.quant}, {model.weight_bytes / 1e6:.0f} MB", flush=True)
         print("[engine] ready", flush=True)
@@ -78,15 +71,6 @@ class ModelEngine(engine04.BaseOfflineEngine):
         """How many prompts one generate_batch call runs together (the server chunks lists by it)."""
         return self.max_num_seqs
 
-    def _eos_ids(self) -> set[int]:
-        """EOS ids from generation_config.json (else config.json), plus the tokenizer's."""
-        eos = None
-        for name in ("generation_config.json", "config.json"):
-            if (self.folder / name).exists() and eos is None:
-                eos = json.loads((self.folder / name).read_text()).get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [eos]
-        return {e for e in eos + [self.tokenizer.eos_token_id] if e is not None}
-
     def features(self) -> dict:
         """What this engine was built with, for the server's page and /metrics."""
         return {"engine": type(self).__name__, "quant": self.quant or "float32", "max_num_seqs": self.max_num_seqs,
@@ -99,7 +83,7 @@ class ModelEngine(engine04.BaseOfflineEngine):
         A list of token ids is taken as tokenised already (the server tokenises once)."""
         params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
-        ids = engine04.tokenize(self.tokenizer, prompt, budget, self.context_length, self.model.config.vocab_size)
+        ids = tokenize(self.tokenizer, prompt, budget, self.context_length, self.model.config.vocab_size)
         return self.output.new_request(ids, params, budget, arrival)
     # --8<-- [end:new-request]
 
@@ -145,8 +129,7 @@ class ModelEngine(engine04.BaseOfflineEngine):
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a list of strings")
+        check_prompts(prompts)
         t0 = time.perf_counter()           # every request was submitted now: TTFT counts from here
         requests = [self.new_request(p, max_new_tokens, params, arrival=t0) for p in prompts]  # all checked first
         for chunk in self.batch_chunks(requests):

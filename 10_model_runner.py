@@ -13,8 +13,8 @@ their tokens) and computing it. The model runner is the second job, on its own:
                          (a chunk in the middle of a long prompt predicts nothing yet)
 
 The runner knows nothing of queues, budgets, text or stop strings: the engine decides,
-the runner computes. Later chapters change the runner by composition: Chapter 7 hands
-it a pool of blocks instead of rows, Chapter 12 a model with quantised weights.
+the runner computes. It lives in the engine's package (`minivllm/model_runner.py`); this
+script steps one by hand.
 
     python 10_model_runner.py      # a runner stepped by hand: one prefill, then decode steps
 """
@@ -24,68 +24,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
-from pathlib import Path
 
-import torch
-
-from kit import cli, plugins
+from kit import cli
+from minivllm.contracts import SamplingParams
+from minivllm.model_runner import ModelRunner, load_model
+from minivllm.output import OutputProcessor
 
 setup = importlib.import_module("01_setup")
-engine04 = importlib.import_module("04_engine")
-decode_loop = importlib.import_module("07_decode_loop")
-model10 = importlib.import_module("10_model")
-Request = decode_loop.Request
-
-
-# --8<-- [start:load]
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", quant: str | None = None,
-               group_size: int = 32, quant_head: str = "auto", compile: bool = False) -> model10.LlamaModel:
-    """The weights a runner computes with: the model's own, or in a weight format (Chapter 12)
-    swapped in module by module once they are loaded, as gpt-fast's quantize.py does; with
-    compile=True, packed for their kernels and run by a compiled forward (Chapter 13)."""
-    to_format = None
-    if quant is not None:    # checked before the weights load: a typo costs nothing
-        to_format = plugins.plugin("weight_format")(quant, group_size, quant_head)
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
-    model = model10.LlamaModel.from_folder(folder, dtype, device)
-    model = to_format(model) if to_format else model
-    return plugins.plugin("compile")(model) if compile else model
-# --8<-- [end:load]
-
-
-# --8<-- [start:runner]
-class ModelRunner:
-    """Owns the weights and the KV storage; runs one step of any mix of prefills and decodes."""
-
-    def __init__(self, model: model10.LlamaModel, kv):
-        self.model, self.kv = model, kv        # kv: a KVCache (rows) or a KVPool (blocks)
-
-    def prepare(self, requests: list[Request], starts: list[int], lengths: list[int],
-                places: list) -> model10.RaggedBatch:
-        """Request i feeds its tokens [starts[i], starts[i] + lengths[i]); places[i] is where its
-        K/V live in the storage (a row, or a block table)."""
-        new_tokens = [r.tokens(s, n) for r, s, n in zip(requests, starts, lengths)]
-        return self.kv.batch(new_tokens, places, starts, self.model.device)
-
-    def forward(self, requests: list[Request], starts: list[int], lengths: list[int], places: list,
-                num_logits: list[int] | None = None) -> torch.Tensor:
-        """prepare -> forward: the logits of each request's last token fed (or of its last
-        num_logits[i] tokens: a speculative verification, Chapter 10)."""
-        return self.model.forward(self.prepare(requests, starts, lengths, places), self.kv, num_logits=num_logits)
-
-    def step(self, requests: list[Request], starts: list[int], lengths: list[int],
-             places: list) -> list[int | None]:
-        """prepare -> forward -> sample. The next token of each request whose known tokens are all
-        computed after this step; None for a request still in the middle of its prompt."""
-        logits = self.forward(requests, starts, lengths, places)
-        ready = [i for i, (r, s, n) in enumerate(zip(requests, starts, lengths)) if s + n == r.num_tokens]
-        tokens: list[int | None] = [None] * len(requests)
-        if ready:
-            for i, token in zip(ready, decode_loop.sample(logits[ready], [requests[i] for i in ready])):
-                tokens[i] = token
-        return tokens
-# --8<-- [end:runner]
 
 
 def main() -> None:
@@ -98,9 +43,9 @@ def main() -> None:
     folder = setup.resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = load_model(folder)
-    output = decode_loop.OutputProcessor(tokenizer, {tokenizer.eos_token_id}, model.config.vocab_size, "cpu")
+    output = OutputProcessor(tokenizer, {tokenizer.eos_token_id}, model.config.vocab_size, "cpu")
     prompts = ["The capital of France is", "One, two, three,"]
-    requests = [output.new_request(tokenizer(p).input_ids, engine04.SamplingParams(ignore_eos=True), args.steps + 1)
+    requests = [output.new_request(tokenizer(p).input_ids, SamplingParams(ignore_eos=True), args.steps + 1)
                 for p in prompts]
     runner = ModelRunner(model, model.new_cache(len(requests), 64))   # request i owns cache row i
     print("step  kind     tokens fed (per request)   new tokens")

@@ -12,44 +12,46 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from minivllm.block_manager import BlockManager
+from minivllm.contracts import SamplingParams, is_integer
+from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, KVPool
+from minivllm.output import Request
+
 engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
-paged = importlib.import_module("11_paged_kv")
-Request = engine10.Request
 
 
 class PagedEngine(engine10.ModelEngine):
     """Chapter 6's engine with its KV cache in a fixed pool of blocks."""
 
-    block_manager = paged.BlockManager   # Chapter 8 composes one that also remembers prefixes
+    block_manager = BlockManager   # Chapter 8 composes one that also remembers prefixes
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
-                 kv_memory: int = paged.DEFAULT_KV_MEMORY, block_size: int = paged.DEFAULT_BLOCK_SIZE,
-                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
-                 compile: bool = False):
-        if not engine04.contracts.is_integer(block_size) or not 1 <= block_size <= 1024:
+                 kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
+                 weight_steps: Sequence = (), structured_output=None):
+        if not is_integer(block_size) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {block_size!r}")
-        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, quant, group_size, quant_head, compile)
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, weight_steps, structured_output)
         m = self.model
-        self.pool = paged.KVPool.from_memory(m.config, kv_memory, block_size, m.dtype, m.device)
+        self.pool = KVPool.from_memory(m.config, kv_memory, block_size, m.dtype, m.device)
         self.runner.kv = self.pool                # the runner's storage is now blocks, for good
         self.blocks = self.block_manager(self.pool.num_blocks, block_size)
         mib = self.pool.nbytes / 2**20            # whole blocks only: a little under kv_memory
         print(f"[engine] KV pool: {self.pool.num_blocks} blocks x {block_size} tokens = "
               f"{self.pool.num_blocks * block_size:,} tokens in {mib:.{1 if mib < 100 else 0}f} MiB", flush=True)
-        if compile:   # Chapter 13: the kernels are built now, not during the first request
+        if hasattr(m, "warm_up"):   # compiled steps (Chapter 13): the kernels are built now, not mid-request
             print("[engine] compiling the step (torch.compile) ...", flush=True)
             print(f"[engine] compiled in {m.warm_up(self.pool):.0f} s", flush=True)
     # --8<-- [end:init]
 
     def new_request(self, prompt: str | list[int], max_new_tokens: int,
-                    params: engine04.SamplingParams | None = None, arrival: float | None = None) -> Request:
+                    params: SamplingParams | None = None, arrival: float | None = None) -> Request:
         r = super().new_request(prompt, max_new_tokens, params, arrival)
         need = self.blocks.blocks_for(r.n_prompt + r.budget)
         if need > self.blocks.num_blocks:   # could never fit, however long it waited

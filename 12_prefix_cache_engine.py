@@ -13,27 +13,29 @@ blocks that became full are published for later prompts.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 import torch
 
+from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY
+from minivllm.prefix_cache import PrefixCachingBlockManager
+
 engine04 = importlib.import_module("04_engine")
-paged = importlib.import_module("11_paged_kv")
 engine11 = importlib.import_module("11_paged_kv_engine")
-prefix12 = importlib.import_module("12_prefix_cache")
 
 
 # --8<-- [start:engine]
 class PrefixCachingEngine(engine11.PagedEngine):
     """Chapter 7's engine; a prompt's cached prefix is shared, not recomputed."""
 
-    block_manager = prefix12.PrefixCachingBlockManager
+    block_manager = PrefixCachingBlockManager
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
-                 kv_memory: int = paged.DEFAULT_KV_MEMORY, block_size: int = paged.DEFAULT_BLOCK_SIZE,
-                 prefix_caching: bool = True, quant: str | None = None, group_size: int = 32,
-                 quant_head: str = "auto"):
-        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, quant, group_size, quant_head)
+                 kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
+                 prefix_caching: bool = True, weight_steps: Sequence = (), structured_output=None):
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, weight_steps,
+                         structured_output)
         self.prefix_caching = prefix_caching
 
     @property

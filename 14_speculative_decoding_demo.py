@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from kit import cli, threads, workloads
+from kit import cli, workloads
+from minivllm import threads
 
 engine04 = importlib.import_module("04_engine")
 cb = importlib.import_module("13_continuous_batching_engine")

@@ -69,7 +69,7 @@ def variant(base: engine10.ModelEngine, spec: str) -> engine10.ModelEngine:
         return base                                    # Chapter 6's float32 engine itself
     engine = copy.copy(base)
     engine.runner = copy.copy(base.runner)       # the same runner, handed other weights (Chapter 12's swap)
-    engine.runner.model = quant16.QuantizedModel.from_model(base.model, quant, group, head)
+    engine.runner.model = quant16.quantize(base.model, quant, group, head)
     return engine
 
 

@@ -1,8 +1,8 @@
 """16_quantization_engine.py - Chapter 12's engines: Chapter 6's engine on quantised weights.
 
-A weight format is not a new engine: it is a different model handed to the same model
-runner (`quant=` on any engine from Chapter 6 on). These classes only pin a format, so
-that an `--engine` spec can name one:
+A weight format is not a new engine: it is one more step of loading the model, a
+`WeightFormat` handed to Chapter 6's engine (`weight_steps=`), or `quant=` on the assembled
+`LLM`. These classes only pin a format, so that an `--engine` spec can name one:
 
     python 16_quantization_engine.py --quant int4          # one prompt, as 04_engine.py
     python 05_server.py --engine 16_quantization_engine:Int4Engine
@@ -15,6 +15,8 @@ import importlib
 import os
 
 import torch
+
+from minivllm.quantization import WeightFormat
 
 engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
@@ -31,14 +33,15 @@ class QuantizedEngine(engine10.ModelEngine):
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
                  kv_memory: int = engine10.DEFAULT_KV_MEMORY, quant: str | None = None,
-                 group_size: int | None = None, quant_head: str | None = None):
+                 group_size: int | None = None, quant_head: str | None = None, structured_output=None):
         quant = quant or self.default_quant or os.environ.get("ENGINE_QUANT", "int8")
         try:
             group_size = int(group_size or os.environ.get("ENGINE_GROUP_SIZE", 32))
         except ValueError:
             raise ValueError(f"ENGINE_GROUP_SIZE must be an integer, got {os.environ['ENGINE_GROUP_SIZE']!r}")
         quant_head = quant_head or os.environ.get("ENGINE_QUANT_HEAD", "auto")
-        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, quant, group_size, quant_head)
+        super().__init__(model_name, device, dtype, max_num_seqs, kv_memory,
+                         [WeightFormat(quant, group_size, quant_head)], structured_output)
 # --8<-- [end:engine]
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 from kit import cli
-from kit import threads as cpu_threads
+from minivllm import threads as cpu_threads
 
 setup = importlib.import_module("01_setup")
 paged = importlib.import_module("11_paged_kv")

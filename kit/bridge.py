@@ -22,7 +22,7 @@ import anyio
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from kit import threads as cpu_threads
+from minivllm import threads as cpu_threads
 from kit.openai_api import APIError
 
 

@@ -14,11 +14,8 @@ keeps the wire format, which is the same for every engine:
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import threading
-import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
@@ -30,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kit import structured_api
+from minivllm import text
+from minivllm.structured import StructuredOutput
 
 
 log = logging.getLogger("05_server")
@@ -329,10 +328,13 @@ def sampling_params(req: SamplingFields, params_class: type):
     except structured_api.FieldError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
     try:
-        return params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
                               logit_bias=bias, logprobs=logprobs, structured=structured,
                               **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
+        if params.structured is not None:   # does it parse? asked now, whatever engine serves it
+            StructuredOutput().check(params.structured)
+        return params
     except ValueError as exc:   # SamplingParams' messages start with the field's name
         if str(exc).startswith("structured"):   # ... which is not the request's: name the one that asked
             raise APIError(400, f"{field}: {str(exc).removeprefix('structured ')}", param=field) from exc
@@ -430,48 +432,13 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
-# --8<-- [start:chat-ids]
-_TEXT_ONLY: dict[int, tuple[object, object]] = {}
-_TEXT_ONLY_LOCK = threading.Lock()
-
-
-def text_only(tokenizer):
-    """A copy of the tokenizer that reads special-token strings as plain text, for good.
-
-    A copy, because transformers switches that mode (split_special_tokens) by setting state on
-    the tokenizer it is called on and leaving it set: on the one tokenizer that every request's
-    thread shares, a prompt tokenised at that moment would have its own control tokens split
-    into text (measured: concurrent chats answered differently from the same chats alone)."""
-    with _TEXT_ONLY_LOCK:
-        original, copied = _TEXT_ONLY.get(id(tokenizer), (None, None))
-        if original is not tokenizer:
-            copied = copy.deepcopy(tokenizer)
-            copied("", split_special_tokens=True)    # switched once, never back
-            _TEXT_ONLY[id(tokenizer)] = (tokenizer, copied)
-    return copied
-
-
-def chat_ids(tokenizer, messages: list[dict], render: Callable[[object, list[dict]], str]) -> list[int]:
-    """The conversation's token ids, with each message's text tokenised as text.
-
-    Tokenising the rendered template whole would read "<|im_start|>" typed in a message as
-    the control token itself, so a user could forge turns (a system message, an assistant's
-    reply). Here the template is rendered with a marker in place of each message's text; the
-    template's parts are tokenised as written (its control tokens), and each text with
-    split_special_tokens=True. The parts meet where the template puts control tokens or line
-    breaks, so ordinary text gets the same ids as before."""
-    nonce = uuid.uuid4().hex
-    marks = [f"\u2063{nonce}{i}\u2063" for i in range(len(messages))]
-    rendered = render(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)])
-    if [rendered.count(mark) for mark in marks] != [1] * len(marks):   # a template that changes the text
-        raise APIError(400, "this model's chat template rewrites message text; send the prompt to /v1/completions")
-    ids, rest = [], rendered
-    for i, (m, mark) in enumerate(zip(messages, marks)):
-        template, rest = rest.split(mark)
-        ids += tokenizer(template, add_special_tokens=i == 0).input_ids   # a BOS, where the tokenizer adds one
-        ids += text_only(tokenizer)(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
-    return ids + tokenizer(rest, add_special_tokens=False).input_ids
-# --8<-- [end:chat-ids]
+def chat_ids(tokenizer, messages: list[dict], render=None) -> list[int]:
+    """The conversation's ids, each message's text read as text (minivllm/text.py); a template
+    that rewrites message text is a 400 that says where to send the prompt instead."""
+    try:
+        return text.chat_ids(tokenizer, messages, render or text.render_chat)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
 
 
 def sse(obj: dict | str) -> str:

@@ -91,7 +91,8 @@ def engine_mod():
 
 @pytest.fixture(scope="session")
 def tiny_engine(engine_mod, tiny_model_dir):
-    return engine_mod.BaselineEngine(str(tiny_model_dir), device="cpu")
+    return engine_mod.BaselineEngine(str(tiny_model_dir), device="cpu",
+                                     structured_output=importlib.import_module("minivllm.structured").StructuredOutput())
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from conftest import load_script
 server = load_script("05_server")
 cb = load_script("13_continuous_batching_engine")
 quant_engines = load_script("16_quantization_engine")
-plugins = importlib.import_module("kit.plugins")
+engines = importlib.import_module("kit.engines")
 SamplingParams = load_script("03_contracts").SamplingParams
 
 SYSTEM = "You are a careful assistant. Answer briefly and stay on topic. " * 3   # shared: a prefix cache hit
@@ -65,13 +65,16 @@ def test_16_concurrent_clients_get_chapter_12s_answers(tiny_model_dir, reference
         engine.close()
 
 
-def test_a_weight_format_is_found_by_name_and_checked_before_loading(tiny_model_dir):
-    to_int8 = plugins.plugin("weight_format")("int8", 32, "auto")
-    assert callable(to_int8)
-    with pytest.raises(ValueError, match="unknown quantisation mode"):
-        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", quant="int3")
+def test_options_are_checked_before_loading(tmp_path):
+    """Every option is checked before any weights are looked for: a folder with no model is never read."""
+    for options, message in (({"quant": "int3"}, "quant must be one of"), ({"group_size": 48}, "group_size must be"),
+                             ({"block_size": 0}, "block_size must be"), ({"speculative": "magic"}, "speculative must"),
+                             ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "must be >= max_num_seqs"),
+                             ({"tensor_parallel_size": 0}, "tensor_parallel_size must be")):
+        with pytest.raises(ValueError, match=message):
+            cb.ContinuousBatchingEngine(str(tmp_path / "no-model-here"), device="cpu", **options)
     with pytest.raises(ValueError, match="cannot load"):
-        plugins.load_object("no_such_module:thing")
+        engines.load_object("no_such_module:thing")
 
 
 def test_reset_forgets_the_cache_the_scheduler_uses(tiny_model_dir, reference_prompts):

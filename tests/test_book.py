@@ -51,24 +51,32 @@ def test_every_included_section_exists():
     assert not problems, "\n".join(problems)
 
 
+def shown(page: Path) -> set[str]:
+    """The numbered scripts a page shows: a section of one included, or one run (`python NN_x.py`).
+    A script whose code moved to the package is its chapter's demonstration: the page runs it."""
+    names = {Path(file).name for p, file, section in includes() if section and p == page}
+    return names | set(re.findall(r"python (\d\d_\w+\.py)", page.read_text()))
+
+
 def test_every_numbered_script_is_in_the_book():
     scripts = sorted(p.name for p in REPO_ROOT.glob("[0-9][0-9]_*.py"))
     assert scripts, "no numbered scripts found"
-    included = {Path(file).name for _, file, section in includes() if section}
-    missing = [s for s in scripts if s not in included]
-    assert not missing, f"scripts no page includes a section of: {missing}"
+    seen = set().union(*(shown(page) for page in BOOK.rglob("*.md")))
+    missing = [s for s in scripts if s not in seen]
+    assert not missing, f"scripts no page includes or runs: {missing}"
 
 
 def test_every_numbered_script_is_in_its_chapter():
-    """The chapter table of tests/test_layout.py (`book_chapter`) is the book's: each script has a
-    section included by a page of its chapter's folder."""
+    """The chapter table of tests/test_layout.py (`book_chapter`) is the book's: each script is
+    included or run by a page of its chapter's folder."""
     from test_layout import book_chapter
 
     homes: dict[str, set[int]] = {}
-    for page, file, section in includes():
+    for page in BOOK.rglob("*.md"):
         folder = page.relative_to(BOOK).parts[0]
-        if section and folder.startswith("chapter"):
-            homes.setdefault(Path(file).name, set()).add(int(folder.removeprefix("chapter")))
+        if folder.startswith("chapter"):
+            for name in shown(page):
+                homes.setdefault(name, set()).add(int(folder.removeprefix("chapter")))
     wrong = [f"{s}: Chapter {book_chapter(s[:-3])}, but included only from chapters {sorted(homes.get(s, ()))}"
              for s in sorted(p.name for p in REPO_ROOT.glob("[0-9][0-9]_*.py"))
              if book_chapter(s[:-3]) not in homes.get(s, set())]

@@ -14,7 +14,7 @@ import torch
 
 from conftest import load_script
 
-cpu_threads = importlib.import_module("kit.threads")
+cpu_threads = importlib.import_module("minivllm.threads")
 
 
 def os_threads() -> int:

@@ -99,8 +99,8 @@ def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model
     """Packed int4 rows cannot be read back, so the tied matrix splits: int4 for the logits, int8 for lookups."""
     base = model10.LlamaModel.from_folder(tiny_model_dir)
     assert base.config.tie_word_embeddings
-    default = quant16.QuantizedModel.from_model(base, "int4", 32)
-    packed = quant16.QuantizedModel.from_model(base, "int4", 32, head="int4")
+    default = quant16.quantize(base, "int4", 32)
+    packed = quant16.quantize(base, "int4", 32, head="int4")
     assert default.w["lm_head"] is default.w["embed"] and isinstance(default.w["embed"], quant16.Int8Weight)
     assert isinstance(packed.w["lm_head"], quant16.Int4Weight) and isinstance(packed.w["embed"], quant16.Int8Weight)
     assert packed.weight_bytes == default.weight_bytes + packed.w["lm_head"].nbytes
@@ -123,8 +123,8 @@ def test_embedding_rows_come_from_the_int8_table():
 @pytest.mark.parametrize("quant,group_size", [("int8", 32), ("int4", 32), ("bf16", 32), ("fp16", 32)])
 def test_quantized_model_fast_equals_reference_logits(tiny_model_dir, quant, group_size):
     base = model10.LlamaModel.from_folder(tiny_model_dir)
-    fast = quant16.QuantizedModel.from_model(base, quant, group_size)
-    reference = quant16.QuantizedModel.from_model(base, quant, group_size, path="reference")
+    fast = quant16.quantize(base, quant, group_size)
+    reference = quant16.quantize(base, quant, group_size, path="reference")
     ids = list(range(100, 140))
     batch = model10.RaggedBatch.build([ids], [0], [0], len(ids))
     got = fast.forward(batch, fast.new_cache(1, len(ids)), all_logits=True)
@@ -135,35 +135,31 @@ def test_quantized_model_fast_equals_reference_logits(tiny_model_dir, quant, gro
     assert fast.weight_bytes < base.weight_bytes / (1.9 if quant in ("bf16", "fp16") else 3.5)
 
 
-def test_weight_format_is_a_function_from_model_to_model(tiny_model_dir, tmp_path):
-    """Chapter 12 reaches every engine as one function, found by name (kit/plugins.py): settings are
-    checked when it is made, before any weights load; applied, it leaves the float model untouched."""
-    from kit import plugins
-
-    assert plugins.plugin("weight_format") is quant16.weight_format
+def test_weight_format_is_a_step_from_model_to_model(tiny_model_dir, tmp_path):
+    """Chapter 12 reaches every engine as an object, WeightFormat: settings are checked when it is
+    made, before any weights load; applied, it gives Chapter 6's model over other weights and leaves
+    the float model untouched."""
     base = model10.LlamaModel.from_folder(tiny_model_dir)
-    to_int4 = quant16.weight_format("int4", 64, "int8")
+    to_int4 = quant16.WeightFormat("int4", 64, "int8")
     model = to_int4(base)
-    assert isinstance(model, quant16.QuantizedModel) and model.format_name == quant16.describe("int4", 64, "int8")
+    assert type(model) is model10.LlamaModel and model.format_name == quant16.describe("int4", 64, "int8")
     qkv = model.w["model.layers.0.qkv"]
     assert isinstance(qkv, quant16.Int4Weight) and qkv.group_size == 64
     assert isinstance(model.w["embed"], quant16.Int8Weight) and isinstance(base.w["model.layers.0.qkv"], torch.Tensor)
-    reference = quant16.weight_format("int8", path="reference")(base)
+    assert base.format_name is None
+    reference = quant16.WeightFormat("int8", path="reference")(base)
     assert reference.w["model.layers.1.down"].path == "reference" and reference.format_name == "int8"
-    # The model runner's loader: the same weights as the function applied by hand.
-    loaded = runner10.load_model(tiny_model_dir, quant="int4", group_size=64, quant_head="int8")
-    assert type(loaded) is quant16.QuantizedModel and loaded.format_name == model.format_name
+    # The model runner's loader: the same weights as the step applied by hand.
+    loaded = runner10.load_model(tiny_model_dir, features=[quant16.WeightFormat("int4", 64, "int8")])
+    assert type(loaded) is model10.LlamaModel and loaded.format_name == model.format_name
     batch = model10.RaggedBatch.build([list(range(100, 120))], [0], [0], 20)
     assert torch.equal(loaded.forward(batch, loaded.new_cache(1, 20)), model.forward(batch, model.new_cache(1, 20)))
-    assert type(runner10.load_model(tiny_model_dir)) is model10.LlamaModel      # quant=None: the model's own
+    assert type(runner10.load_model(tiny_model_dir)) is model10.LlamaModel      # no steps: the model's own
     for settings, message in (({"quant": "int3"}, "unknown quantisation mode"),
                               ({"quant": "int4", "group_size": 48}, "group size must be one of"),
                               ({"quant": "int8", "head": "int3"}, "unknown head format")):
         with pytest.raises(ValueError, match=message):
-            quant16.weight_format(**settings)
-    # A typo costs nothing: refused before the (here missing) weights are looked for.
-    with pytest.raises(ValueError, match="unknown quantisation mode"):
-        runner10.load_model(tmp_path / "no-model-here", quant="int3")
+            quant16.WeightFormat(**settings)
 
 
 def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch):
@@ -302,9 +298,9 @@ def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
     with pytest.raises(ValueError, match="unknown head format 'yes'"):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8")
     # Every engine from Chapter 6 on takes the same keywords, checked the same way.
-    with pytest.raises(ValueError, match="unknown quantisation mode"):
+    with pytest.raises(ValueError, match="quant must be one of bf16, int8, int4"):
         cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int3")
-    with pytest.raises(ValueError, match="group size must be one of"):
+    with pytest.raises(ValueError, match="group_size must be one of"):
         cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int4",
                                       group_size=48)
     assert demo16.parse_mode("int4-g64-int4head") == ("int4", 64, "int4")
@@ -360,7 +356,7 @@ def test_ceiling_parts_run_on_every_format(tiny_model_dir):
     matmul (all-zero logits) yet run the same forward, for float32 and quantised weights alike."""
     ceiling = load_script("16_quantization_ceiling")
     base = model10.LlamaModel.from_folder(tiny_model_dir)
-    for model in (base, quant16.QuantizedModel.from_model(base, "int4", 32)):
+    for model in (base, quant16.quantize(base, "int4", 32)):
         hollow = ceiling.without_matmuls(model)
         batch = model10.RaggedBatch.build([[5, 6, 7]], [0], [0], 8)
         logits = hollow.forward(batch, hollow.new_cache(1, 8))

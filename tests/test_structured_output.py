@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from conftest import load_script
+from minivllm.structured import StructuredOutput
 
 BUDGET = 160
 SCHEMAS = {
@@ -50,7 +51,8 @@ def so():
 
 @pytest.fixture(scope="module")
 def tiny_model_engine(tiny_model_dir):
-    return load_script("10_model_engine").ModelEngine(str(tiny_model_dir), device="cpu")
+    return load_script("10_model_engine").ModelEngine(str(tiny_model_dir), device="cpu",
+                                                      structured_output=StructuredOutput())
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +103,19 @@ def test_structured_is_a_hashable_checked_pair(contracts):
     ({"regex": "a", "choice": ["a"]}, "exactly one of"),
     ("json", "must be a dict"),
 ])
-def test_bad_constraints_are_refused_naming_the_problem(contracts, bad, words):
+def test_bad_constraints_are_refused_naming_the_problem(contracts, so, tiny_model_engine, bad, words):
+    """Its shape is SamplingParams' to check; whether it parses, the grammar library's: the feature
+    says so when asked, and an engine when the request arrives."""
     with pytest.raises(ValueError, match=f"^structured.*{re.escape(words)}"):
-        contracts.SamplingParams(structured=bad)
+        so.StructuredOutput().check(contracts.SamplingParams(structured=bad).structured)
+    with pytest.raises(ValueError, match=f"^structured.*{re.escape(words)}"):
+        tiny_model_engine.generate("Hi", 4, contracts.SamplingParams(structured=bad))
+
+
+def test_an_engine_built_without_the_feature_says_so(contracts, tiny_model_dir):
+    engine = load_script("10_model_engine").ModelEngine(str(tiny_model_dir), device="cpu")
+    with pytest.raises(ValueError, match="built without structured output"):
+        engine.generate("Hi", 4, contracts.SamplingParams(structured={"choice": ["yes", "no"]}))
 
 
 # --- the idea by hand, and the constraint's interface ----------------------------------------
@@ -163,7 +175,7 @@ def test_the_grammar_ends_a_request_even_with_ignore_eos(contracts, tiny_model_e
 def test_every_engine_gives_the_same_constrained_tokens(contracts, tiny_model_dir, tiny_engine, tiny_model_engine):
     """Chapter 1 (HF generate with a logits processor), 2 (our loop) and 6 (our model): token for token."""
     params = structured(contracts, SCHEMAS["nested"])
-    loop = load_script("07_decode_loop").DecodeLoopEngine(str(tiny_model_dir), device="cpu")
+    loop = load_script("07_decode_loop").DecodeLoopEngine(str(tiny_model_dir), device="cpu", structured_output=StructuredOutput())
     results = [e.generate(PROMPTS[0], BUDGET, params) for e in (tiny_engine, loop, tiny_model_engine)]
     assert results[0].output_ids == results[1].output_ids == results[2].output_ids
     assert_valid(results[0], SCHEMAS["nested"])
@@ -191,7 +203,7 @@ def test_sample_masks_constrained_rows_only(contracts, so, tiny_model_engine):
 
 
 def test_static_batch_constrains_every_row(contracts, tiny_model_dir):
-    engine = load_script("09_static_batching").StaticBatchEngine(str(tiny_model_dir), device="cpu")
+    engine = load_script("09_static_batching").StaticBatchEngine(str(tiny_model_dir), device="cpu", structured_output=StructuredOutput())
     P = contracts.SamplingParams
     free = engine.generate_batch(PROMPTS, 24, P())
     forced = engine.generate_batch(PROMPTS, BUDGET, structured(contracts, SCHEMAS["enum"]))
@@ -222,7 +234,7 @@ def test_continuous_batching_mixed_step_leaves_free_requests_alone(contracts, ti
 
 @pytest.mark.real_model
 def test_real_model_json_always_validates_where_free_text_does_not(contracts, default_model_dir):
-    engine = load_script("10_model_engine").ModelEngine(str(default_model_dir), device="cpu")
+    engine = load_script("10_model_engine").ModelEngine(str(default_model_dir), device="cpu", structured_output=StructuredOutput())
     engine04 = load_script("04_engine")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population_millions": {"type": "number"}},

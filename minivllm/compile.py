@@ -1,0 +1,254 @@
+"""Chapter 13: compiled steps. Same model, same arithmetic, fewer trips to memory.
+
+    packed weights  each matrix handed to oneDNN once, at load, in the blocked layout its
+                    kernel reads (vLLM's CPU backend does the same); float32 and bf16
+    paged attention a decode row's attention written as plain torch over its block table;
+                    torch.compile turns it into one loop that reads keys where they lie
+                    (an option: on the CPU, Chapter 7's copy + SDPA measured faster)
+    fused glue      residual add + RMSNorm, RoPE on q and k, SiLU·mul: each one compiled
+                    kernel instead of several
+
+`Compile()` is the feature an engine is handed: it applies to any model Chapters 6, 12 and
+14 build. `17_compile.py` checks it against the eager model and shows its cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, below)
+import torch.nn.functional as F
+
+from minivllm.kv_cache import PagedBatch
+from minivllm.model import LlamaModel, apply_rope, map_weights, rms_norm, rope_angles
+from minivllm.quantization import HalfWeight
+
+# --8<-- [start:packed]
+class PackedWeight:
+    """A float32 or bf16 matrix in oneDNN's blocked layout, packed once: x @ Wᵀ without the
+    per-call repacking a plain GEMM does. bf16 runs on AVX-512 bf16 units where the CPU has them."""
+
+    def __init__(self, w: torch.Tensor, dtype: torch.dtype):
+        self.dtype, self.shape = dtype, tuple(w.shape)
+        # the batch size is a hint for the blocking; any number of rows works afterwards
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), 32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "")
+        return out.to(x.dtype)
+
+
+def can_pack(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def packed_weights(model: LlamaModel) -> dict:
+    """Every matrix a matmul reads, packed where oneDNN has a kernel for its format: float32
+    tensors and bf16 HalfWeights. int8 and int4 keep Chapter 12's packed kernels; the embedding
+    table stays a table (a tied LM head gets its own packed copy). Packing reaches inside
+    wrappers: a tensor-parallel shard (Chapter 14) packs its own slice."""
+    if not can_pack(model.device):
+        return dict(model.w)
+
+    def pack(name: str, weight):
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32:
+            return PackedWeight(weight, torch.float32)
+        if isinstance(weight, HalfWeight) and weight.w.dtype == torch.bfloat16 and weight.path == "fast":
+            return PackedWeight(weight.w, torch.bfloat16)
+        return weight
+
+    return map_weights(model, pack, [name for name in model.w if name != "embed"])
+# --8<-- [end:packed]
+
+
+# --8<-- [start:paged-attention]
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One new query per sequence against its cached keys, read through its block table.
+
+    q [seqs, heads, head_dim]; pools [blocks * block_size, kv_heads, head_dim]. Written as
+    products and sums rather than a matmul, so that the compiler fuses the gather into the
+    loop that reads each key: `k_pool[slot]` below is an address, never a copy. The query
+    heads sharing a KV head read it once (grouped-query attention).
+    """
+    n, width = block_tables.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[1]
+    t = torch.arange(width * block_size, device=q.device)
+    slot = block_tables[:, t // block_size] * block_size + t % block_size       # [seqs, ctx]
+    k, v = k_pool[slot], v_pool[slot]                                           # [seqs, ctx, kv_heads, dim]
+    q = q.view(n, 1, kv_heads, heads // kv_heads, head_dim)
+    scores = (q * k.unsqueeze(3)).sum(-1) * head_dim ** -0.5                    # [seqs, ctx, kv_heads, group]
+    hidden = (t.view(1, -1) >= context_lens.view(n, 1)).view(n, -1, 1, 1)       # beyond a row's context
+    weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=1)
+    return (weights.unsqueeze(-1) * v.unsqueeze(3)).sum(1).reshape(n, heads * head_dim)
+# --8<-- [end:paged-attention]
+
+
+# --8<-- [start:fused]
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add and the next RMSNorm, one pass: (x + delta, its normalised copy)."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+    """The fused QKV output split into q, k, v, with q and k rotated in the same kernel."""
+    qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+# --8<-- [end:fused]
+
+
+# --8<-- [start:compiled]
+class Compiled:
+    """fn under torch.compile, or fn itself where no compiler works here: the first failure is
+    reported once and the eager op stays. Shapes start static; a dimension seen at a second
+    size becomes a symbol, so one kernel then serves every batch (see warm_up)."""
+
+    def __init__(self, fn, enabled: bool = True):
+        self.fn, self.name = fn, fn.__name__
+        # Two sizes that happen to be equal while tracing (a batch of 2 rows, 2 KV heads) would
+        # otherwise be assumed equal forever, and the kernel rebuilt the first time they differ.
+        torch.fx.experimental._config.use_duck_shape = False
+        self.compiled = torch.compile(fn) if enabled else None
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:   # no C++ compiler, an unsupported op: eager is always right
+                print(f"[compile] {self.name}: falling back to eager ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:120]})", flush=True)
+                self.compiled = None
+        return self.fn(*args)
+# --8<-- [end:compiled]
+
+
+# --8<-- [start:model]
+class CompiledModel(LlamaModel):
+    """Chapter 6's forward with packed weights, fused glue and paged decode attention.
+
+    With paged_attention, decode rows of a paged batch attend in place through their block
+    tables; every other part (prefill chunks, verifications, a cache of rows) keeps Chapter 6's
+    copy-then-SDPA path.
+    """
+
+    compiled = True    # engines report it in features()
+
+    @classmethod
+    def from_model(cls, model: LlamaModel, enabled: bool = True, paged_attention: bool = False) -> CompiledModel:
+        compiled = cls(model.config, packed_weights(model))
+        compiled.paged_attention = paged_attention   # off: measured slower here (17_compile_demo.py)
+        compiled.format_name = model.format_name     # a Chapter 12 model keeps its name
+        compiled.ops = {fn.__name__: Compiled(fn, enabled)
+                        for fn in (paged_decode_attention, add_rms_norm, rope_split, silu_mul)}
+        return compiled
+
+    def attention_of(self, i: int, q, batch, cache) -> torch.Tensor:
+        """Each part of the batch attends in its own way: decode rows in place, prefills via a copy."""
+        outs = []
+        for rows, tokens, part in batch.parts:
+            tables = getattr(batch, "block_tables", None)
+            if tables is not None and max(part.lengths) == 1 and self.paged_attention:
+                outs.append(self._decode(i, q[tokens], tables[rows], part, cache))
+                continue
+            if tables is not None:   # a prefill part: its own rows' blocks, copied for SDPA
+                width = -(-part.context_len // cache.block_size)
+                part = PagedBatch(part.token_ids, part.positions, part.slots, list(range(len(part.lengths))),
+                                        part.starts, part.lengths, tables[rows, :width].contiguous())
+            k, v = cache.context(i, part)
+            outs.append(self.attend(q[tokens], k, v, part))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, i: int, q, tables, part, cache) -> torch.Tensor:
+        n, q = len(part.lengths), q.contiguous()    # one memory layout: one compiled kernel
+        lens = torch.tensor([s + 1 for s in part.starts], device=q.device)
+        if tables.shape[1] == 1:   # never width 1 or one row: the compiler would specialise on it
+            tables = torch.cat([tables, tables], dim=1)
+        if n == 1:
+            q, tables, lens = q.repeat(2, 1, 1), tables.repeat(2, 1), lens.repeat(2)
+        out = self.ops["paged_decode_attention"](q, cache.k[i], cache.v[i], tables, lens, cache.block_size)
+        return out[:n]
+
+    @torch.inference_mode()
+    def forward(self, batch, cache, all_logits: bool = False, timer=None, num_logits=None) -> torch.Tensor:
+        c, w, ops = self.config, self.w, self.ops
+        x = w["embed"][batch.token_ids]
+        cos, sin = rope_angles(batch.positions, self.inv_freq, self.dtype)
+        h = rms_norm(x, w["model.layers.0.norm1"], c.rms_norm_eps)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv = self.linear(h, p + "qkv").view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            q, k, v = ops["rope_split"](qkv, cos, sin, c.num_heads, c.num_kv_heads)
+            cache.k[i].index_copy_(0, batch.slots, k)
+            cache.v[i].index_copy_(0, batch.slots, v)
+            attn = self.linear(self.attention_of(i, q, batch, cache), p + "o")
+            x, h = ops["add_rms_norm"](x, attn, w[p + "norm2"], c.rms_norm_eps)
+            mlp = self.linear(ops["silu_mul"](self.linear(h, p + "gate_up")), p + "down")
+            last = i == c.num_layers - 1
+            x, h = ops["add_rms_norm"](x, mlp, w["norm" if last else f"model.layers.{i + 1}.norm1"], c.rms_norm_eps)
+        if num_logits is not None:
+            ends = torch.tensor(batch.lengths).cumsum(0).tolist()
+            h = h[torch.tensor([j for end, m in zip(ends, num_logits) for j in range(end - m, end)], device=h.device)]
+        elif not all_logits:
+            h = h[torch.tensor(batch.lengths, device=h.device).cumsum(0) - 1]
+        return self.linear(h, "lm_head").float()
+    # --8<-- [end:model]
+
+    # --8<-- [start:warm-up]
+    def warm_up(self, pool) -> float:
+        """Compile before serving, on the first blocks of an idle pool. Each kernel is traced at
+        two sizes, so the compiler learns which dimensions vary (tokens, rows, blocks per row)
+        and keeps the model's own (heads, head_dim, hidden) as constants it can vectorise over;
+        one token and one row are sizes it always treats apart, so they are warmed too.
+        Returns the seconds it took; later runs load the kernels from inductor's disk cache."""
+        start, bs = time.perf_counter(), pool.block_size
+        if pool.num_blocks < 9:
+            raise ValueError(f"warming up needs a pool of 9 blocks or more, this one has {pool.num_blocks}")
+        tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+        steps = [([[1, 2, 3], [4, 5, 6]], [0, 0]),                 # prefills: 6 tokens, then 9
+                 ([[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 0]),
+                 ([[1], [2]], [bs, bs]),                           # decodes: 2 rows of 2 blocks,
+                 ([[1], [2], [3]], [2 * bs, 2 * bs, 2 * bs]),      # 3 rows of 3, one row
+                 ([[1]], [bs])]
+        for ids, starts in steps:
+            self.forward(pool.batch(ids, tables[:len(ids)], starts, self.device), pool)
+        for k, v in zip(pool.k, pool.v):   # leave the pool as it was found: zeros
+            k.zero_()
+            v.zero_()
+        return time.perf_counter() - start
+    # --8<-- [end:warm-up]
+
+
+def compile_model(model: LlamaModel, enabled: bool = True, paged_attention: bool = False) -> CompiledModel:
+    """model -> the same model, compiled. paged_attention: decode rows attend in place through
+    the compiled kernel above, instead of Chapter 7's copy and SDPA; off by default, since on
+    the CPU measured it was slower."""
+    if not isinstance(model, LlamaModel):
+        raise ValueError(f"compile works on a LlamaModel, got {type(model).__name__}")
+    return CompiledModel.from_model(model, enabled, paged_attention)
+
+
+class Compile:
+    """Compiled steps as a feature an engine is handed (`compile=True`): model -> model, like
+    a weight format, and applied after it, so that the packed weights are the format's."""
+
+    name = "compile"
+
+    def __init__(self, paged_attention: bool = False, enabled: bool = True):
+        if not isinstance(paged_attention, bool):
+            raise ValueError(f"paged_attention must be True or False, got {paged_attention!r}")
+        self.paged_attention, self.enabled = paged_attention, enabled
+
+    def __call__(self, model: LlamaModel) -> CompiledModel:
+        return compile_model(model, self.enabled, self.paged_attention)

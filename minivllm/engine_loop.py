@@ -1,0 +1,228 @@
+"""Chapter 9: the engine loop. Live traffic: submit, read a stream, abort.
+
+`submit()` hands a request to a background thread that steps the scheduler while there is work;
+the caller reads text pieces, then the GenerateResult, from the request's own queue, and
+`abort()` frees its blocks at the next step (so does dropping the stream unread). `close()` ends
+the loop. `generate` and `generate_batch` are submit and read, so one code path serves the
+offline interface and the server alike.
+
+The loop needs from its engine only `step()`, `new_request()`, `_leave()`, `_describe()`, its
+`scheduler`, `blocks` and `output`: engine.py is the engine, this is how it is driven.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+from minivllm import threads as cpu_threads
+from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
+from minivllm.output import Request
+
+
+class EngineLoop:
+    """The thread that steps an engine while it has work, and the requests' way in and out."""
+
+    def __init__(self):
+        self._cv, self._inbox, self._aborts, self._closing = threading.Condition(), [], set(), False
+        self._idle, self._snapshots = False, []   # snapshot(): answered by the loop between two steps
+        self._thread: threading.Thread | None = None
+        self._by_id: dict[int, Request] = {}
+
+    # --8<-- [start:loop]
+    def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
+        """Queue one request for the engine loop; iterate the answer: text pieces, then the
+        GenerateResult. Closing the iterator early aborts the request."""
+        return self.submit_all([self.new_request(prompt, max_new_tokens, params)])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestStream]:
+        """Hand requests built by new_request (all checked already) to the loop in one go:
+        they join the same step."""
+        self._hand_over(requests)
+        return [RequestStream(self, r) for r in requests]
+
+    def _hand_over(self, requests: list[Request]) -> None:
+        """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
+        for r in requests:
+            r.sink = queue.SimpleQueue()
+        cpu_threads.release_idle_workers()   # the loop thread computes; this thread's idle CPU workers go
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+                self._thread.start()
+            self._inbox.extend(requests)
+            self._cv.notify()
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step, waiting or running; its blocks are freed."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    def _has_work(self) -> bool:
+        """Anything for the loop to do (called under self._cv)."""
+        return bool(self._inbox or self._aborts or self._closing or self.scheduler.has_work())
+
+    def _loop(self) -> None:
+        """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
+        while True:
+            with self._cv:
+                self._answer_snapshots()          # between two steps: queues and blocks hold still
+                if not self._has_work():
+                    cpu_threads.release_idle_workers()   # idle: whoever computes next has the cores alone
+                self._idle = True                 # while it waits, snapshot() may read the state itself
+                while not self._has_work():
+                    self._cv.wait()
+                self._idle = False
+                if self._closing:                 # under the lock: no new loop starts meanwhile
+                    closed = RuntimeError("the engine was closed")
+                    for r in self._inbox:
+                        r.sink.put(("error", closed))
+                    self._fail_in_flight(closed, everyone=True)
+                    self._inbox, self._aborts, self._closing, self._thread = [], set(), False, None
+                    return
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for r in inbox:
+                try:
+                    self.scheduler.add(r)
+                    self._by_id[r.id] = r
+                except ValueError as exc:
+                    r.sink.put(("error", exc))
+            for rid in aborts:
+                if rid in self._by_id:
+                    r = self._by_id.pop(rid)
+                    self._leave(r)
+                    r.sink.put(("aborted", None))   # wakes a reader blocked on this request
+            if not self.scheduler.has_work():
+                continue
+            try:
+                for r, piece in self.step():
+                    if piece:
+                        r.sink.put(("piece", piece))
+                    if r.finish_reason:
+                        self._by_id.pop(r.id, None)
+                        r.sink.put(("done", self.output.result(r)))
+            except Exception as exc:              # fail what was in flight, never the loop itself
+                self._fail_in_flight(exc)
+    # --8<-- [end:loop]
+
+    def _fail_in_flight(self, exc: Exception, everyone: bool = False) -> None:
+        """Every request that was in the failed step, or left it without its reader being told,
+        gets the error; requests still waiting hold no KV and keep their place in the queue."""
+        waiting = set() if everyone else set(map(id, self.scheduler.waiting))
+        for r in [r for r in self._by_id.values() if id(r) not in waiting]:
+            self._leave(r)
+            if r.id in self.blocks.tables:        # a step that failed half-way may leave blocks behind
+                self.blocks.free(r.id)
+            del self._by_id[r.id]
+            r.sink.put(("error", exc))
+
+    def close(self) -> None:
+        """Stop the engine loop, so that the engine can be freed; what is in flight fails.
+        A later submit starts a new loop."""
+        with self._cv:
+            if self._thread is None:
+                return
+            thread, self._closing = self._thread, True
+            self._cv.notify()
+        if thread is not threading.current_thread():
+            thread.join()
+
+    # --8<-- [start:interface]
+    def generate_stream(self, prompt: str, max_new_tokens: int,
+                        params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
+        yield from self.submit(prompt, max_new_tokens, params)   # closing this closes the stream
+
+    def generate(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> GenerateResult:
+        return self.submit(prompt, max_new_tokens, params).result()
+
+    def generate_batch(self, prompts: list[str], max_new_tokens: int,
+                       params: SamplingParams | None = None) -> list[GenerateResult]:
+        """Every prompt enters the scheduler at once; each leaves the step it finishes."""
+        check_prompts(prompts)
+        t0 = time.perf_counter()
+        streams = self.submit_all([self.new_request(p, max_new_tokens, params, arrival=t0)   # all checked first
+                                   for p in prompts])
+        try:
+            return [s.result() for s in streams]
+        finally:              # one failed, or the caller was interrupted: nothing keeps running
+            for s in streams:
+                s.close()
+    # --8<-- [end:interface]
+
+    # --8<-- [start:snapshot]
+    def snapshot(self, timeout_s: float = 10.0) -> dict | None:
+        """The scheduler's state for the classroom page (kit/engine_view.py): each request's state,
+        TTFT and tokens, each KV block's owner and reference count, the recent steps. Plain dicts,
+        bounded in size. Read by the engine loop between two steps, or here while the loop sleeps,
+        so no step changes what is being read. None if the loop did not answer within timeout_s."""
+        with self._cv:
+            if self._thread in (None, threading.current_thread()) or self._idle:   # nothing changes them now
+                return self._describe()
+            answer: list = []
+            done = threading.Event()
+            self._snapshots.append((done, answer))
+            self._cv.notify()
+        done.wait(timeout_s)
+        return answer[0] if answer else None
+
+    def _answer_snapshots(self) -> None:
+        """The loop, between two steps (under self._cv): answer whoever asked for a snapshot."""
+        if self._snapshots:
+            snap = self._describe()
+            for done, answer in self._snapshots:
+                answer.append(snap)
+                done.set()
+            self._snapshots = []
+    # --8<-- [end:snapshot]
+
+
+class RequestStream:
+    """One submitted request, read from any thread: text pieces, then its GenerateResult.
+
+    Not a generator on purpose: close() may be called from another thread while a reader
+    is blocked waiting for the next piece (the server does this when a client hangs up).
+    """
+
+    def __init__(self, engine: EngineLoop, request: Request):
+        self.engine, self.request, self.done = engine, request, False
+        self.request_id = request.id
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> str | GenerateResult:
+        if self.done:
+            raise StopIteration
+        kind, value = self.request.sink.get()
+        if kind in ("done", "error", "aborted"):
+            self.done = True
+        if kind == "error":
+            raise value
+        if kind == "aborted":
+            raise StopIteration
+        return value
+
+    def result(self) -> GenerateResult:
+        """Read to the end and return the GenerateResult (a failed request raises its error)."""
+        items = list(self)
+        if not items or not isinstance(items[-1], GenerateResult):
+            raise RuntimeError(f"request {self.request_id} was aborted before it finished")
+        return items[-1]
+
+    def close(self) -> None:
+        """Abort the request unless it already finished: its blocks are freed at the next step."""
+        if not self.done and self.request.finish_reason is None:
+            self.engine.abort(self.request.id)
+
+    cancel = close
+
+    def __del__(self) -> None:
+        """A reader that drops its stream unread wants no answer: stop the work, free the blocks."""
+        try:
+            self.close()
+        except Exception:   # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
+            pass

@@ -1,0 +1,164 @@
+"""The composition root: `LLM`, the engine with every feature, wired here with ordinary imports.
+
+Every other module of the package imports only its own chapter or earlier ones; this one is
+where the chapters meet. Each option becomes an object handed to the part that uses it:
+
+    quant, group_size, quant_head   a WeightFormat, one step of load_model      (Chapter 12)
+    compile                         Compile, the step after it                  (Chapter 13)
+    tensor_parallel_size            TensorParallel: a group of processes whose runner
+                                    loads every rank with the steps above       (Chapter 14)
+    speculative, ...                SpeculativeDecoding, a speculator for the step (Chapter 10)
+    prefix_caching                  the block manager that remembers            (Chapter 8)
+    structured output               StructuredOutput, handed to the output processor (Chapter 11)
+
+    from minivllm import LLM, SamplingParams
+    with LLM(quant="int8", prefix_caching=True) as llm:
+        print(llm.generate("The capital of France is", SamplingParams(max_tokens=16)).text)
+        print(llm.chat([{"role": "user", "content": "Hi!"}]).text)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import torch
+
+from minivllm.block_manager import BlockManager
+from minivllm.compile import Compile
+from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, EngineConfig
+from minivllm.contracts import GenerateResult, SamplingParams
+from minivllm.engine import LLMEngine
+from minivllm.kv_cache import KVPool, blocks_in
+from minivllm.model import ModelConfig
+from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device
+from minivllm.model_runner import ModelRunner, load_model
+from minivllm.output import OutputProcessor, Request
+from minivllm.parallel_workers import TensorParallel
+from minivllm.prefix_cache import PrefixCachingBlockManager
+from minivllm.quantization import WeightFormat
+from minivllm.speculative import SpeculativeDecoding
+from minivllm.structured import StructuredOutput
+from minivllm.text import chat_ids
+
+DEFAULT_MAX_TOKENS = 128   # a request's budget when neither max_new_tokens nor SamplingParams.max_tokens says
+
+
+# --8<-- [start:features]
+def weight_steps(config: EngineConfig) -> list:
+    """What load_model does to the weights after reading them, in order: the format, then
+    compiled steps over the format's weights."""
+    steps = []
+    if config.quant is not None:
+        steps.append(WeightFormat(config.quant, config.group_size, config.quant_head))
+    if config.compile:
+        steps.append(Compile())
+    return steps
+# --8<-- [end:features]
+
+
+class LLM(LLMEngine):
+    """Every chapter's feature, as keywords with the server's flag names (`--kv-memory` is
+    `kv_memory=`). A BaseOfflineEngine: `generate`, `generate_batch`, plus `chat`, a context
+    manager, and `close()`, which stops everything it started (its loop, its worker processes)."""
+
+    # --8<-- [start:init]
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
+                 kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefix_caching: bool = False,
+                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
+                 speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
+                 tensor_parallel_size: int | None = None, compile: bool = False, structured_output=None):
+        config = EngineConfig(kv_memory, block_size, prefix_caching, max_num_seqs, max_num_batched_tokens,
+                              speculative, num_speculative_tokens, draft_model, quant, group_size, quant_head,
+                              compile, tensor_parallel_size)      # every option checked: nothing loaded yet
+        speculation = SpeculativeDecoding(speculative, num_speculative_tokens, draft_model) if speculative else None
+        device = pick_device(device)
+        folder = model_folder(model)
+        parallel = TensorParallel(tensor_parallel_size, folder, device) if tensor_parallel_size is not None else None
+        self.config, self.folder = config, folder
+        steps = weight_steps(config)
+        print(f"[engine] loading {model or DEFAULT_MODEL} into LlamaModel on {device} ...", flush=True)
+        tokenizer = load_tokenizer(folder)
+        if parallel:   # every rank loads its shard, then the same steps; rank 0 is this process
+            full = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
+            runner = parallel.start(folder, dtype, device, blocks_in(full, kv_memory, block_size, dtype),
+                                    block_size, steps)
+        else:
+            weights = load_model(folder, dtype, device, steps)
+            runner = ModelRunner(weights, KVPool.from_memory(weights.config, kv_memory, block_size,
+                                                             weights.dtype, weights.device))
+        self._report(runner)
+        blocks = (PrefixCachingBlockManager if prefix_caching else BlockManager)(runner.kv.num_blocks, block_size)
+        structured = StructuredOutput() if structured_output is None else structured_output
+        output = OutputProcessor(tokenizer, eos_token_ids(folder, tokenizer), runner.model.config.vocab_size,
+                                 device, structured)
+        speculator = speculation.build(runner.model, folder, kv_memory, block_size,
+                                       [] if draft_model else [WeightFormat("int4", 32)]) if speculation else None
+        super().__init__(model or DEFAULT_MODEL, tokenizer, output, runner, blocks, max_num_seqs,
+                         max_num_batched_tokens, speculator)
+        print("[engine] ready", flush=True)
+    # --8<-- [end:init]
+
+    def _report(self, runner: ModelRunner) -> None:
+        m, pool = runner.model, runner.kv
+        if m.format_name:
+            print(f"[engine] weights: {m.format_name}, {m.weight_bytes / 1e6:.0f} MB", flush=True)
+        mib = pool.nbytes / 2**20            # whole blocks only: a little under kv_memory
+        print(f"[engine] KV pool: {pool.num_blocks} blocks x {pool.block_size} tokens = "
+              f"{pool.num_blocks * pool.block_size:,} tokens in {mib:.{1 if mib < 100 else 0}f} MiB", flush=True)
+        if self.config.compile:   # Chapter 13: the kernels are built now, not during the first request
+            print("[engine] compiling the step (torch.compile) ...", flush=True)
+            print(f"[engine] compiled in {m.warm_up(pool):.0f} s", flush=True)
+
+    # --8<-- [start:interface]
+    def new_request(self, prompt: str | list[int], max_new_tokens: int | None = None,
+                    params: SamplingParams | None = None, arrival: float | None = None) -> Request:
+        """One place for the token budget: max_new_tokens (the book's positional argument), else
+        SamplingParams.max_tokens, else DEFAULT_MAX_TOKENS; both given, the smaller."""
+        if max_new_tokens is None:
+            max_new_tokens = (params.max_tokens if params and params.max_tokens else None) or DEFAULT_MAX_TOKENS
+        return super().new_request(prompt, max_new_tokens, params, arrival)
+
+    def generate(self, prompt, max_new_tokens: int | SamplingParams | None = None,
+                 params: SamplingParams | None = None):
+        """One prompt -> a GenerateResult; a list of prompts -> a list (vLLM's `generate(prompts,
+        sampling_params)` reads the same)."""
+        if isinstance(max_new_tokens, SamplingParams):
+            max_new_tokens, params = None, max_new_tokens
+        if isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt):
+            return self.generate_batch(list(prompt), max_new_tokens, params)
+        return self.submit(prompt, max_new_tokens, params).result()
+
+    def generate_batch(self, prompts: list, max_new_tokens: int | None = None,
+                       params: SamplingParams | None = None) -> list[GenerateResult]:
+        return super().generate_batch(prompts, max_new_tokens, params)
+
+    def generate_stream(self, prompt, max_new_tokens: int | None = None,
+                        params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
+        return super().generate_stream(prompt, max_new_tokens, params)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             max_new_tokens: int | None = None):
+        """A conversation (or a list of them) in the model's chat template, tokenised once, the
+        text of each message read as text: a user who types "<|im_start|>" forges no turn."""
+        if messages and isinstance(messages[0], (list, tuple)):
+            return self.generate_batch([chat_ids(self.tokenizer, list(m)) for m in messages], max_new_tokens, params)
+        return self.generate(chat_ids(self.tokenizer, list(messages)), max_new_tokens, params)
+
+    def close(self) -> None:
+        """Stop the engine loop and every process it started; what is in flight fails. Idempotent."""
+        super().close()
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+    # --8<-- [end:interface]
+
+    def __repr__(self) -> str:
+        return f"LLM({self.model_name!r}, {self.features()})"
+

@@ -1,0 +1,169 @@
+"""Chapter 2: the request and the output processor. What every engine from here on shares.
+
+A `Request` carries one prompt's token ids to its result; `sample` picks each row's next token
+with Chapter 1's sampling; the `OutputProcessor` builds requests, accepts each new token
+(detokenizer, stop strings, EOS, budget, log-probabilities, timings) and turns a finished
+request into a `GenerateResult`. `07_decode_loop.py` drives them with a loop of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm import sampling
+from minivllm.contracts import NO_STRUCTURED_OUTPUT, GenerateResult, RequestMetrics, SamplingParams
+from minivllm.sampling import TokenHistory
+from minivllm.text import IncrementalDetokenizer, attach_logprobs
+
+# --8<-- [start:request]
+@dataclass(eq=False)
+class Request:
+    """One request, from its prompt's token ids to its result: the one object that every engine,
+    the scheduler (Chapter 9) and the block manager (Chapter 7, by id) pass around."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    budget: int                                   # new tokens it may produce
+    detok: IncrementalDetokenizer        # text so far, and whether a stop string appeared
+    generator: torch.Generator | None             # private seeded stream (None: torch's global one)
+    new_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None              # None while still running
+    arrival: float = field(default_factory=time.perf_counter)   # TTFT and latency count from here
+    t_first: float = 0.0                          # perf_counter() when its first token was ready
+    t_last: float = 0.0                           # ... and its last one
+    history: TokenHistory | None = None  # tokens seen, when a bias or penalty needs them
+    logprobs: list | None = None                  # one TokenLogprob per new id, when asked for
+    logprobs_sent: int = 0                        # how many of them a streamed piece carried already
+    # Where its keys and values stand (Chapters 7 to 9):
+    num_computed: int = 0                         # tokens whose K/V are in the cache
+    cached_tokens: int | None = None              # prompt tokens a prefix cache held (Chapter 8)
+    admitted: float | None = None                 # first time a scheduler ran it (Chapter 9)
+    preemptions: int = 0
+    sink: object = None                           # where an engine loop sends its text (live traffic)
+    # Speculative decoding (Chapter 10): guesses fed after the output, until verified
+    draft_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0                          # guesses verified so far
+    num_accepted: int = 0                         # ... and kept
+    constraint: object = None                     # Chapter 11: a grammar its output must follow
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.new_ids)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens start .. start+n-1 of prompt + output (+ guesses awaiting verification)."""
+        p, after = len(self.prompt_ids), self.new_ids + self.draft_ids
+        if start >= p:
+            return after[start - p: start - p + n]
+        return (self.prompt_ids + after)[start: start + n]
+# --8<-- [end:request]
+
+
+# --8<-- [start:sample]
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """One token id per row: Chapter 1's sampling, each row with its own generator.
+
+    Bias and penalties are applied to the whole batch first; log-probabilities are
+    read from the logits as the model gave them.
+    """
+    adjusted = sampling.adjust_logits(logits, [r.params for r in requests], [r.history for r in requests])
+    adjusted = constrain(adjusted, requests)
+    if all(r.params.is_greedy for r in requests):
+        tokens = sampling.greedy(adjusted).tolist()   # one argmax and one device sync for the batch
+    else:
+        tokens = [sampling.sample_next_token(row, r.params, r.generator) for row, r in zip(adjusted, requests)]
+    asking = [i for i, r in enumerate(requests) if r.logprobs is not None and r.finish_reason is None]
+    if asking:
+        entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
+                                          [requests[i].params.logprobs for i in asking])
+        for i, entry in zip(asking, entries):
+            requests[i].logprobs.append(entry)
+    return tokens
+# --8<-- [end:sample]
+
+
+# --8<-- [start:constrain]
+def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Chapter 11: in each constrained row, -inf for the tokens its grammar forbids next.
+    The other rows are left exactly as they were."""
+    rows = [i for i, r in enumerate(requests) if r.constraint is not None and r.finish_reason is None]
+    if not rows:
+        return logits
+    logits = logits.clone()   # never in place: the raw logits still give log-probabilities
+    for i in rows:
+        requests[i].constraint.mask(logits[i])
+    return logits
+# --8<-- [end:constrain]
+
+
+# --8<-- [start:output-processor]
+class OutputProcessor:
+    """Token ids in, text and results out, the same for every engine from here on: it builds
+    requests, accepts each new token (detokenizer, stop strings, EOS, budget, logprobs, timings)
+    and turns a finished request into a GenerateResult."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], vocab_size: int, device, structured_output=None):
+        self.tokenizer, self.eos_token_ids, self.vocab_size, self.device = tokenizer, eos_token_ids, vocab_size, device
+        self.structured_output = structured_output   # Chapter 11's feature object, when the engine has it
+        self._ids = itertools.count()
+
+    def new_request(self, prompt_ids: list[int], params: SamplingParams, budget: int,
+                    arrival: float | None = None) -> Request:
+        params.check_vocab(self.vocab_size)
+        history = TokenHistory(prompt_ids, self.vocab_size, self.device) if params.adjusts_logits else None
+        constraint = None
+        if params.structured is not None:   # Chapter 11: the grammar its output must follow
+            if self.structured_output is None:
+                raise ValueError(NO_STRUCTURED_OUTPUT)
+            constraint = self.structured_output.constraint(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                           params.structured)
+        return Request(next(self._ids), list(prompt_ids), params, budget,
+                       IncrementalDetokenizer(self.tokenizer, params.stop),
+                       sampling.make_generator(params.seed, self.device), history=history,
+                       logprobs=None if params.logprobs is None else [], constraint=constraint,
+                       **({} if arrival is None else {"arrival": arrival}))
+    # --8<-- [end:output-processor]
+
+    # --8<-- [start:accept]
+    def accept(self, r: Request, token_id: int, now: float) -> str:
+        """Record one new token for one request; decide whether it is done; return its new text."""
+        r.new_ids.append(token_id)
+        r.t_first, r.t_last = r.t_first or now, now
+        if r.history is not None:
+            r.history.add(token_id)
+        piece = r.detok.add(token_id)
+        if r.constraint is not None and not r.constraint.accept(token_id):
+            raise RuntimeError(f"token {token_id} breaks the request's grammar: was its row masked?")
+        if r.detok.stopped or (token_id in self.eos_token_ids and r.params.stops_on_eos):
+            r.finish_reason = "stop"        # the EOS / stop-completing token stays in new_ids
+        elif len(r.new_ids) >= r.budget:
+            r.finish_reason = "length"
+        piece = piece + r.detok.flush() if r.finish_reason else piece
+        piece, r.logprobs_sent = attach_logprobs(piece, r.logprobs, r.logprobs_sent, len(r.new_ids))
+        return piece
+    # --8<-- [end:accept]
+
+    # --8<-- [start:metrics]
+    def result(self, r: Request) -> GenerateResult:
+        """The result every engine returns, with the loop's own timings, counted from arrival."""
+        n = len(r.new_ids)
+        metrics = RequestMetrics(
+            throughput=n / max(r.t_last - r.arrival, 1e-9), input_tokens=r.n_prompt, output_tokens=n,
+            ttft_ms=(r.t_first - r.arrival) * 1e3,                          # arrival -> first token ready
+            tpot_ms=(r.t_last - r.t_first) / (n - 1) * 1e3 if n > 1 else None,   # mean gap after that
+            queue_ms=None if r.admitted is None else (r.admitted - r.arrival) * 1e3,
+            cached_tokens=r.cached_tokens,
+            **({"draft_tokens": r.num_drafted, "accepted_tokens": r.num_accepted} if r.num_drafted else {}))
+        return GenerateResult(text=r.detok.text, output_ids=list(r.new_ids), metrics=metrics,
+                              finish_reason=r.finish_reason or "length",
+                              logprobs=None if r.logprobs is None else list(r.logprobs[:n]))
+    # --8<-- [end:metrics]

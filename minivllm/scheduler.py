@@ -1,0 +1,153 @@
+"""Chapter 9: the scheduler that decides, every step, who runs.
+
+A request is a list of tokens (its prompt, then what it generated) and one number:
+how many of those tokens already have keys and values in the KV pool (`num_computed`).
+Every step each scheduled request feeds the model its next uncomputed tokens:
+
+    a new request       its prompt, in chunks of at most the step's token budget
+    a running request   its one newest token (a decode step)
+    a preempted one     everything again, prompt and generated tokens: recompute
+
+When the last known token has been fed, that forward's logits give the next token.
+Prefill and decode are the same operation on different lengths, so one ragged batch
+can carry both. The scheduler is bookkeeping only: no tensors, no model.
+
+`13_scheduler.py` runs it on made-up requests and prints every decision.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from minivllm.block_manager import BlockManager
+from minivllm.kv_cache import PoolFullError
+from minivllm.output import Request
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: request i feeds tokens [starts[i], starts[i] + lengths[i])."""
+    requests: list[Request]
+    starts: list[int]
+    lengths: list[int]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def add(self, r: Request, start: int, n: int) -> None:
+        self.requests.append(r)
+        self.starts.append(start)
+        self.lengths.append(n)
+
+
+class Scheduler:
+    """Waiting and running queues over a BlockManager, under a token budget and a sequence cap."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256):
+        self.check_limits(max_num_seqs, max_num_batched_tokens)
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []            # in admission order: the newest is last
+        self.num_preemptions = 0
+
+    @staticmethod
+    def check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """ValueError unless both limits are sane (an engine asks before it loads a model)."""
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536:
+                raise ValueError(f"{name} must be an integer in [1, 65536], got {value!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence needs a token each step")
+
+    def add(self, request: Request) -> None:
+        if self.blocks.blocks_for(request.n_prompt + request.budget) > self.blocks.num_blocks:
+            raise ValueError(f"request {request.id} could never fit in the KV pool of "
+                             f"{self.blocks.num_blocks} blocks")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --8<-- [start:schedule]
+    def schedule(self) -> ScheduledBatch:
+        """Decodes of running requests first, then prefill chunks, then new admissions."""
+        out = ScheduledBatch([], [], [], [])
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for r in decoding + prefilling:
+            budget = self.max_num_batched_tokens - out.num_tokens   # a preemption may give some back
+            if budget == 0:
+                break
+            if r not in self.running:         # preempted a moment ago to make room for an older one
+                continue
+            pending = r.num_tokens - r.num_computed
+            n = min(pending + len(r.draft_ids), budget)   # a decode may bring guesses to verify (Chapter 10)
+            del r.draft_ids[max(0, n - pending):]         # ... and a short budget cuts those first
+            if not self._make_room(r, r.num_computed + n, out):
+                continue                      # it was the newest, so it preempted itself
+            out.add(r, r.num_computed, n)
+        budget = self.max_num_batched_tokens - out.num_tokens
+        # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow;
+        # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
+               and self.blocks.can_allocate_prompt(self.waiting[0].tokens(0, self.waiting[0].num_tokens))):
+            r = self.waiting.popleft()
+            r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
+            r.admitted = r.admitted or time.perf_counter()
+            self.running.append(r)
+            n = min(r.num_tokens - r.num_computed, budget)
+            out.add(r, r.num_computed, n)
+            budget -= n
+        return out
+    # --8<-- [end:schedule]
+
+    # --8<-- [start:admit]
+    def admit(self, r: Request) -> int:
+        """Blocks for all of r's known tokens; returns how many of them already have their K/V.
+        Chapter 7's block manager has none to offer; Chapter 8's prefix cache shares a cached prefix
+        (a preempted request re-matches what it computed before, if it is still cached)."""
+        cached = self.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
+        if r.admitted is None and self.blocks.caches_prefixes:
+            r.cached_tokens = cached
+        return cached
+    # --8<-- [end:admit]
+
+    # --8<-- [start:preempt]
+    def _make_room(self, r: Request, needed: int, out: ScheduledBatch) -> bool:
+        """Slots for r's first `needed` tokens; if the pool is full, preempt the newest running
+        request (possibly r itself: then False). Preempted work is recomputed later, never lost."""
+        while self.blocks.lengths[r.id] < needed:
+            try:
+                self.blocks.append_slot(r.id)
+            except PoolFullError:
+                victim = self.running[-1]
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim in out.requests:    # already scheduled this step: take it out again
+                    i = out.requests.index(victim)
+                    del out.requests[i], out.starts[i], out.lengths[i]
+                if victim is r:
+                    return False
+        return True
+
+    def preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.blocks.free(r.id)
+        r.num_computed, r.preemptions, r.draft_ids = 0, r.preemptions + 1, []
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+    # --8<-- [end:preempt]
+
+    def finish(self, r: Request) -> None:
+        """r is done (or aborted): it leaves at once and its blocks serve the next step."""
+        if r in self.running:
+            self.running.remove(r)
+            self.blocks.free(r.id)
+        elif r in self.waiting:
+            self.waiting.remove(r)

@@ -1,0 +1,172 @@
+"""Chapter 11: output that always parses, by masking tokens at every step.
+
+Before each token is sampled, every token that would take the text outside the language gets
+a logit of -inf, so the sampler can only pick tokens that keep the text a valid prefix.
+xgrammar (the library vLLM and SGLang use) compiles the vocabulary against the grammar once,
+so that a step's mask costs microseconds.
+
+Engines receive the feature as an object, `StructuredOutput()`, passed in by whoever builds
+them (`LLM`, `kit/engines.load_engine`): an engine of an earlier chapter never imports this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import torch
+from transformers import LogitsProcessor
+
+# --8<-- [start:grammar]
+def parse_grammar(spec: tuple):
+    """SamplingParams.structured as an xgrammar Grammar: parsed, not yet tied to a tokenizer."""
+    import xgrammar as xgr   # the library is only needed when a request asks for structure
+
+    kind, value = spec
+    if kind == "json_schema":   # compact separators: whitespace is where small models loop forever
+        return xgr.Grammar.from_json_schema(value, any_whitespace=False)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object", "additionalProperties": true}',
+                                            any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(value)
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(value)
+    if kind == "choice":   # JSON's string escapes are EBNF's too
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    if kind == "structural_tag":   # free text with tagged, schema-checked parts (tool calls)
+        return xgr.Grammar.from_structural_tag(json.dumps(compact_json(json.loads(value))))
+    raise ValueError(f"structured: unknown kind {kind!r}")
+
+
+def compact_json(tag):
+    """A structural tag whose JSON parts are compact too: each json_schema part becomes the
+    grammar of its schema, written without free whitespace."""
+    import xgrammar as xgr
+
+    if isinstance(tag, list):
+        return [compact_json(t) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        schema = json.dumps(tag["json_schema"])
+        return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))}
+    return {key: compact_json(value) for key, value in tag.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def check_structured(spec: tuple) -> None:
+    """Refuse a constraint that does not parse: a ValueError naming the problem."""
+    try:
+        parse_grammar(spec)
+    except Exception as exc:   # xgrammar reports every problem as a RuntimeError with its C++ location
+        message = re.sub(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?", "", str(exc).strip())
+        raise ValueError(f"structured {spec[0]} does not compile: {message.splitlines()[0]}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def compiler_for(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]):
+    """One GrammarCompiler per tokenizer: it knows every token's bytes, read once."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+    return xgr.GrammarCompiler(info, max_threads=2)
+
+
+@functools.lru_cache(maxsize=256)
+def compile_spec(tokenizer, vocab_size: int, stop_ids: tuple[int, ...], spec: tuple):
+    """The grammar compiled against the vocabulary, once per (tokenizer, constraint)."""
+    return compiler_for(tokenizer, vocab_size, stop_ids).compile_grammar(parse_grammar(spec))
+# --8<-- [end:grammar]
+
+
+# --8<-- [start:constraint]
+BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarConstraint:
+    """One request's place in its grammar: which tokens may come next, and what came so far.
+
+    The interface the engines use (07_decode_loop.py): `mask` a row of logits before sampling,
+    `accept` the sampled token, `finished` once the grammar ended (its EOS accepted).
+    Speculative decoding adds `allowed` (may a draft token come next?) and `rollback`.
+    """
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)   # rollback of any depth
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # 1 bit a token, in int32 words
+
+    def allowed_mask(self) -> torch.Tensor:
+        """[vocab] bools: bit j of word w says whether token 32*w + j may come next."""
+        self.matcher.fill_next_token_bitmask(self.bitmask, 0)
+        return ((self.bitmask[0].unsqueeze(-1) >> BITS) & 1).bool().view(-1)[: self.vocab_size]
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """In place, on one row: -inf for every token the grammar forbids next."""
+        logits.masked_fill_(~self.allowed_mask().to(logits.device), float("-inf"))
+
+    def allowed(self, token: int) -> bool:
+        return bool(self.allowed_mask()[token])
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def make_constraint(tokenizer, vocab_size: int, eos_ids, spec: tuple) -> GrammarConstraint:
+    """One new request's constraint, its grammar compiled against the vocabulary (cached)."""
+    return GrammarConstraint(compile_spec(tokenizer, vocab_size, tuple(sorted(eos_ids)), spec), vocab_size)
+# --8<-- [end:constraint]
+
+
+# --8<-- [start:hf]
+class ConstraintProcessor(LogitsProcessor):
+    """The same constraint inside HF's generate (Chapter 1's engine): HF calls this before each
+    token with the ids so far, so the previous call's token is accepted first. HF stops at the
+    grammar's EOS itself (SamplingParams.stops_on_eos)."""
+
+    def __init__(self, constraint):
+        self.constraint, self.n_seen = constraint, None
+
+    def __call__(self, input_ids, scores):
+        if self.n_seen is not None and input_ids.shape[1] > self.n_seen:
+            self.constraint.accept(int(input_ids[0, -1]))
+        self.n_seen = input_ids.shape[1]
+        scores = scores.clone()
+        self.constraint.mask(scores[0])
+        return scores
+
+
+def hf_processor(tokenizer, vocab_size: int, eos_ids, spec: tuple) -> ConstraintProcessor:
+    return ConstraintProcessor(make_constraint(tokenizer, vocab_size, eos_ids, spec))
+# --8<-- [end:hf]
+
+
+# --8<-- [start:feature]
+class StructuredOutput:
+    """The feature an engine is handed: check a constraint, build one per request, or wrap one
+    for HF's generate. Stateless; the compiled grammars are cached per tokenizer and spec."""
+
+    name = "structured_output"
+
+    def check(self, spec: tuple) -> None:
+        check_structured(spec)
+
+    def constraint(self, tokenizer, vocab_size: int, eos_ids, spec: tuple) -> GrammarConstraint:
+        check_structured(spec)
+        return make_constraint(tokenizer, vocab_size, eos_ids, spec)
+
+    def hf_processor(self, tokenizer, vocab_size: int, eos_ids, spec: tuple) -> ConstraintProcessor:
+        check_structured(spec)
+        return hf_processor(tokenizer, vocab_size, eos_ids, spec)
+# --8<-- [end:feature]

@@ -1,0 +1,68 @@
+"""Features that stack: a weight format, compiled steps and tensor parallelism are steps of
+loading the model, so each combination is token-exact against its one-process counterpart, and
+`close()` leaves no process behind. Each tensor-parallel case runs in a process of its own (a
+process holds one torch.distributed group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO_ROOT, load_script
+
+engine04 = load_script("04_engine")
+PROMPTS = engine04.reference_prompts()[:4]
+
+CHILD = textwrap.dedent("""
+    import json, multiprocessing, sys
+    sys.path[:0] = [{root!r}]
+    from minivllm import LLM, SamplingParams
+    options, prompts = json.loads({options!r}), json.loads({prompts!r})
+    params = SamplingParams(ignore_eos=True)
+    with LLM({model!r}, device="cpu", kv_memory=8 << 20, **options) as one:
+        expected = [r.output_ids for r in one.generate_batch(prompts, 12, params)]
+    group = LLM({model!r}, device="cpu", kv_memory=8 << 20, tensor_parallel_size=2, **options)
+    workers = len(multiprocessing.active_children())
+    got = [r.output_ids for r in group.generate_batch(prompts, 12, params)]
+    quant = group.features()["quant"]
+    group.close()
+    print("RESULT", json.dumps({{"same": got == expected, "workers": workers, "quant": quant,
+                                 "left": len(multiprocessing.active_children())}}))
+""")
+
+
+@pytest.mark.parametrize("options", [{"quant": "int8"}, {"compile": True}, {"quant": "int4", "compile": True}],
+                         ids=["int8", "compile", "int4-compile"])
+def test_tensor_parallel_stacks_with_formats_and_compile(tiny_model_dir, options):
+    code = CHILD.format(root=str(REPO_ROOT), model=str(tiny_model_dir), options=json.dumps(options),
+                        prompts=json.dumps(PROMPTS))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    out = json.loads(lines[0][7:])
+    assert out["same"], out
+    assert out["workers"] >= 1 and out["left"] == 0, out   # close() stopped the worker and its helpers
+    assert out["quant"].startswith(options.get("quant", "float32"))
+
+
+def test_every_single_process_feature_at_once_matches_its_format_alone(tiny_model_dir):
+    """int4 weights + prefix caching + n-gram speculation + compiled steps: greedy output equals
+    the int4 engine's, token for token."""
+    from minivllm import LLM, SamplingParams
+
+    params = SamplingParams(ignore_eos=True)
+    prompts = PROMPTS + [PROMPTS[0]]          # the repeat hits the prefix cache
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, quant="int4") as plain:
+        expected = [r.output_ids for r in plain.generate_batch(prompts, 16, params)]
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, quant="int4", prefix_caching=True,
+             speculative="ngram", compile=True) as stacked:
+        got = [stacked.generate(p, 16, params).output_ids for p in prompts]
+        assert stacked.features()["prefix_caching"] and stacked.features()["compile"]
+        assert stacked.stats()["prefix_cache_hit_rate"] > 0
+    assert got == expected
