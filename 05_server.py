@@ -359,7 +359,12 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     print(f"[server] {args.engine} on http://{args.host}:{args.port}/v1", flush=True)
-    server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
+    try:
+        server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
+    finally:   # the engine's loop thread and worker processes end with the server
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
 
 
 if __name__ == "__main__":

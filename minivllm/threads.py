@@ -1,4 +1,4 @@
-"""kit/threads.py - one team of CPU worker threads at a time, when an engine computes on its own thread.
+"""Support: one team of CPU worker threads at a time, when an engine computes on its own thread.
 
 torch runs its CPU kernels on OpenMP. Every thread that calls a parallel kernel gets its
 *own* team of OpenMP workers, and the team stays alive, idle, after the work is done.

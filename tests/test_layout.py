@@ -1,7 +1,8 @@
 """The repository's layout rules, checked statically on the source (nothing is imported).
 
-Modules here are the numbered scripts at the top level (`NN_name.py`, the book's steps) and
-the modules of the `kit/` package (the shared toolbox). An import edge is `import X`,
+Modules here are the numbered scripts at the top level (`NN_name.py`, the book's steps), the
+modules of the `minivllm/` package (the engine as a library) and those of `kit/` (the shared
+toolbox). An import edge is `import X`,
 `from X import ...` (`from kit import cli` is an edge to `kit.cli`), or a call
 `importlib.import_module("literal")` (or `__import__("literal")`) anywhere in a file,
 including inside functions, whose target is one of those modules.
@@ -12,12 +13,20 @@ The rules (README, "Layout: where things live"):
 - a script imports only numbered scripts of its own or earlier chapters (and `kit`); the
   chapter of a script is `book_chapter(name)` below, the table the book's index states;
 - `kit` imports no numbered script;
+- every `minivllm` module names its chapter on the first line of its docstring ("Chapter 7: ...")
+  and imports only `minivllm` modules of its own or earlier chapters, never `kit`, never a
+  numbered script, never through importlib; the two exceptions are named below: support
+  modules (data and plumbing every chapter may read, importing nothing of the package) and
+  the composition root (`LLM`), which wires every chapter's feature;
+- a numbered script imports only `minivllm` modules of its own or earlier chapters; the
+  composition root counts as Chapter 9, where the engine is assembled (its later features are
+  switches, off by default);
 - no module-level `__getattr__` (PEP 562 shims hide where things live);
 - every numbered script defines its own `main()` and ends with the
   `if __name__ == "__main__": main()` idiom;
 - an `--engine` spec `module:Class` (in the README, the book, scripts/ and tests/) names the
   file that defines the engine class, after the old-spec table `MOVED_ENGINES` in
-  `04_engine.py` (when there is one) has been applied.
+  `kit/engines.py` (when there is one) has been applied.
 """
 
 from __future__ import annotations
@@ -30,8 +39,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KIT = "kit"
+PACKAGE = "minivllm"
+PACKAGE_SUPPORT = {"minivllm.config", "minivllm.threads"}   # data and plumbing, no chapter
+PACKAGE_ROOT = {"minivllm", "minivllm.llm"}                 # the composition root
+ROOT_CHAPTER = 9                                            # where the book assembles the engine
+DOC_CHAPTER = re.compile(r"^Chapters? (\d+)")
 ENGINE_ROOT_CLASS = "BaseOfflineEngine"
-LOADER = "04_engine"          # the engine loader's module, home of MOVED_ENGINES
+LOADER = "kit.engines"       # the engine loader's module, home of MOVED_ENGINES
 ALIAS_TABLE = "MOVED_ENGINES"
 NUMBERED = re.compile(r"^(\d\d)_\w+$")
 # A spec such as `10_model:ModelEngine`: a numbered module, a colon, a class name.
@@ -57,6 +71,10 @@ class Module:
     @property
     def numbered(self) -> bool:
         return NUMBERED.match(self.name) is not None
+
+    @property
+    def in_package(self) -> bool:
+        return self.name == PACKAGE or self.name.startswith(PACKAGE + ".")
 
 
 # The book's chapter of each numbered script. Script numbers rise with chapter order but are not
@@ -90,8 +108,7 @@ def _module_files() -> dict[str, tuple[Path, bool]]:
     files: dict[str, tuple[Path, bool]] = {}
     for path in sorted(REPO_ROOT.glob("[0-9][0-9]_*.py")):
         files[path.stem] = (path, False)
-    kit_dir = REPO_ROOT / KIT
-    for path in sorted(kit_dir.rglob("*.py")):
+    for path in sorted([*(REPO_ROOT / KIT).rglob("*.py"), *(REPO_ROOT / PACKAGE).rglob("*.py")]):
         parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         if is_package:
@@ -325,8 +342,73 @@ def test_kit_imports_no_numbered_script():
     offenders = [_edge(module, target)
                  for module in modules().values() if not module.numbered
                  for target in sorted(module.imports) if NUMBERED.match(target)]
-    assert not offenders, ("kit is the toolbox every chapter shares: it must import no numbered "
-                           "script (statically or through importlib):\n  " + "\n  ".join(offenders))
+    assert not offenders, ("kit (the toolbox every chapter shares) and minivllm (the engine) import "
+                           "no numbered script (statically or through importlib):\n  " + "\n  ".join(offenders))
+
+
+def package_chapter(module: Module) -> int | None:
+    """The chapter a minivllm module names on its docstring's first line (None: support or root)."""
+    doc = ast.get_docstring(module.tree) or ""
+    match = DOC_CHAPTER.match(doc)
+    return int(match.group(1)) if match else None
+
+
+def test_every_package_module_names_its_chapter():
+    problems = []
+    for module in modules().values():
+        if not module.in_package or module.name in PACKAGE_SUPPORT | PACKAGE_ROOT:
+            continue
+        chapter = package_chapter(module)
+        if chapter is None or not 1 <= chapter <= 14:
+            first = (ast.get_docstring(module.tree) or "(no docstring)").splitlines()[0][:80]
+            problems.append(f"{module.rel}: its docstring must start 'Chapter N: ...' (got {first!r})")
+    assert not problems, "\n".join(problems)
+
+
+def test_package_modules_import_only_earlier_chapters():
+    mods = modules()
+    offenders = []
+    for module in mods.values():
+        if not module.in_package:
+            continue
+        for target in sorted(module.imports):
+            where = _edge(module, target)
+            if not mods[target].in_package:
+                offenders.append(f"{where}: the package imports neither kit nor a numbered script")
+            elif module.name in PACKAGE_ROOT:
+                continue
+            elif module.name in PACKAGE_SUPPORT:
+                offenders.append(f"{where}: a support module imports nothing of the package")
+            elif target in PACKAGE_ROOT:
+                offenders.append(f"{where}: only the composition root wires features together")
+            elif target not in PACKAGE_SUPPORT and package_chapter(mods[target]) > package_chapter(module):
+                offenders.append(f"{where}: Chapter {package_chapter(mods[target])} > "
+                                 f"Chapter {package_chapter(module)}")
+        calls = [node.lineno for node in ast.walk(module.tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, (ast.Name, ast.Attribute))
+                 and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+                 in ("import_module", "__import__")]
+        if calls:
+            offenders.append(f"{module.rel}:{', '.join(map(str, calls))}: a feature looked up by name; "
+                             "import it, so the edge shows")
+    assert not offenders, ("a minivllm module imports only modules of its own or earlier chapters "
+                           "(the composition root excepted):\n  " + "\n  ".join(offenders))
+
+
+def test_numbered_scripts_import_only_earlier_package_modules():
+    mods = modules()
+    offenders = []
+    for module in mods.values():
+        if not module.numbered:
+            continue
+        for target in sorted(module.imports):
+            if not mods[target].in_package or target in PACKAGE_SUPPORT:
+                continue
+            chapter = ROOT_CHAPTER if target in PACKAGE_ROOT else package_chapter(mods[target])
+            if chapter > chapter_number(module.name):
+                offenders.append(f"{_edge(module, target)}: Chapter {chapter} > Chapter {chapter_number(module.name)}")
+    assert not offenders, ("a numbered script may import only package modules of its chapter or "
+                           "earlier ones:\n  " + "\n  ".join(offenders))
 
 
 # ---------------------------------------------------------------------------------------------
