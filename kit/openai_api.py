@@ -297,7 +297,7 @@ def unreadable(exc: StarletteHTTPException) -> str | None:
     cause = exc.__cause__
     if isinstance(cause, UnicodeDecodeError):
         return f"the body is not UTF-8 text: byte 0x{cause.object[cause.start]:02x} at position {cause.start}"
-    if isinstance(cause, RecursionError):
+    if isinstance(cause, RecursionError):   # a backstop: JsonDepth refuses such bodies first
         return "the body's JSON is nested too deeply"
     if isinstance(cause, ValueError) and "digits" in str(cause):   # Python's cap on int() of long text
         return f"the body has a number too long to read: {cause}"
@@ -366,6 +366,36 @@ def completion_logprobs(tokenizer, entries, offset: int = 0) -> dict:
 
 
 MAX_BODY_BYTES = 2 << 20   # 2 MiB: far more text than any context window here holds
+MAX_JSON_DEPTH = 64        # OpenAI's bodies nest a handful of levels; a schema, a few dozen at most
+
+
+class JsonDepth:
+    """The nesting depth of JSON text read in pieces, outside strings. Python's json module
+    recurses once per level, so without a bound the deepest body a server accepts is whatever
+    the process's recursion limit happens to be (torch.compile raises it): counted here, a body
+    nested deeper than MAX_JSON_DEPTH is refused the same way on every machine."""
+
+    def __init__(self, limit: int = MAX_JSON_DEPTH):
+        self.limit, self.depth, self.in_string, self.escaped = limit, 0, False, False
+
+    def feed(self, chunk: bytes) -> None:
+        for byte in chunk:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif byte == 0x5C:                  # backslash
+                    self.escaped = True
+                elif byte == 0x22:                  # closing quote
+                    self.in_string = False
+            elif byte == 0x22:
+                self.in_string = True
+            elif byte in (0x5B, 0x7B):              # [ {
+                self.depth += 1
+                if self.depth > self.limit:
+                    raise StarletteHTTPException(400, f"the body's JSON is nested too deeply "
+                                                      f"(more than {self.limit} levels)")
+            elif byte in (0x5D, 0x7D):              # ] }
+                self.depth -= 1
 
 
 class BodyLimit:
@@ -383,6 +413,8 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(scope, receive, send)
         seen, whole = 0, False
+        is_json = b"json" in dict(scope.get("headers", ())).get(b"content-type", b"").lower()
+        depth = JsonDepth() if is_json else None
         deadline = None if not self.timeout_s else anyio.current_time() + self.timeout_s
 
         async def counted():
@@ -395,6 +427,8 @@ class BodyLimit:
                 whole = not message.get("more_body", False)
                 if seen > self.max_bytes:   # a chunked body that never declared its length
                     raise StarletteHTTPException(413, self._message())
+                if depth is not None:
+                    depth.feed(message.get("body", b""))
                 return message
             raise StarletteHTTPException(408, f"the request body did not arrive within {self.timeout_s:g} "
                                               f"seconds ({seen} bytes came)")
