@@ -13,11 +13,11 @@ holds and reads 1/N of the weights and 1/N of the KV cache, and they talk twice 
                       and an all-gather puts the row back together
 
 This is Megatron-LM's layout, used by vLLM, SGLang and nano-vllm alike. The model is Chapter 6's
-LlamaModel, with sliced weights, a per-rank config (its own head counts) and a linear() that
-adds the collective after the row-split matrices: the forward pass itself is unchanged.
-A worker's life (receive the setup, shard, run every step rank 0 broadcasts) is here too; rank 0's
-side (the processes, the runner, the engine option) is 18_tensor_parallel_engine.py, and the
-scaling model on paper 18_tensor_parallel_scaling.py.
+LlamaModel, with sliced weights, a per-rank config (its own head counts) and weights whose
+matmul adds the collective after the row-split matrices: the forward pass itself is unchanged.
+The shard and a worker's life (receive the setup, shard, run every step rank 0 broadcasts) are
+minivllm/parallel.py; rank 0's side (the processes, the runner, the engine option)
+minivllm/parallel_workers.py; the scaling model on paper 18_tensor_parallel_scaling.py.
 
     python 18_tensor_parallel.py --tensor-parallel-size 3       # 3 processes, gloo on CPU
     torchrun --nproc-per-node 3 18_tensor_parallel.py           # the same, started by torchrun

@@ -33,7 +33,7 @@ from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.parallel import Collectives, Shard, check_size, gather_stats, join, rank_device, serve
 
-# --8<-- [start:plugin]
+# --8<-- [start:feature]
 class TensorParallel:
     """The engine's tensor_parallel_size option as a feature it is handed: checked now, before any
     weights load or any process starts; `start` then builds rank 0's runner over a group of
@@ -68,7 +68,7 @@ class TensorParallel:
                 group.close()
             raise
         return TensorParallelRunner(model, pool, comm, group)
-# --8<-- [end:plugin]
+# --8<-- [end:feature]
 
 
 # --8<-- [start:runner]
