@@ -1,0 +1,72 @@
+"""minivllm as a user of the library meets it: imported from any folder, `LLM` with vLLM's
+calls, closed by a `with` block, and no web framework loaded on the way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_elsewhere(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Python started in an empty folder: the package must come from the install, not the cwd."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_importing_the_engine_loads_no_web_framework_and_no_script(tmp_path):
+    done = run_elsewhere("import sys, minivllm, minivllm.llm\n"
+                         "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'kit') if m in sys.modules))",
+                         tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_llm_from_another_folder_generates_chats_and_closes(tmp_path, tiny_model_dir):
+    code = f"""
+import threading, json
+from minivllm import LLM, SamplingParams
+before = threading.active_count()
+with LLM({str(tiny_model_dir)!r}, kv_memory=8 << 20) as llm:
+    one = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True))
+    many = llm.generate(["Hello", "Hi there"], SamplingParams(max_tokens=3, ignore_eos=True))
+    chat = llm.chat([{{"role": "user", "content": "Hi"}}], SamplingParams(max_tokens=2, ignore_eos=True))
+    default = llm.generate("Hello", SamplingParams(ignore_eos=True, max_tokens=None))
+print(json.dumps([one.metrics.output_tokens, [r.metrics.output_tokens for r in many],
+                  chat.metrics.output_tokens, default.metrics.output_tokens, threading.active_count() - before]))
+"""
+    done = run_elsewhere(code, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one, many, chat, default, threads_left = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (one, many, chat) == (4, [3, 3], 2)
+    from minivllm.llm import DEFAULT_MAX_TOKENS
+    assert default == DEFAULT_MAX_TOKENS      # neither argument given: the documented default
+    assert threads_left == 0                  # the engine loop ended with the block
+
+
+def test_llm_refuses_bad_options_before_loading_anything(tmp_path):
+    from minivllm import LLM
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(tmp_path / "no-such-model"), block_size=0)
+    with pytest.raises(ValueError, match="quant"):
+        LLM(str(tmp_path / "no-such-model"), quant="int3")
+
+
+def test_console_scripts_point_at_functions_that_exist():
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    from kit import console
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert module == "kit.console" and callable(getattr(console, function)), name
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['minivllm-bench', '--help'];"
+                           "from kit.console import bench; bench()"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "--engine" in done.stdout, done.stderr[-2000:]
