@@ -109,7 +109,7 @@ class LLM(LLMEngine):
               f"{pool.num_blocks * pool.block_size:,} tokens in {mib:.{1 if mib < 100 else 0}f} MiB", flush=True)
         if self.config.compile:   # Chapter 13: the kernels are built now, not during the first request
             print("[engine] compiling the step (torch.compile) ...", flush=True)
-            print(f"[engine] compiled in {m.warm_up(pool):.0f} s", flush=True)
+            print(f"[engine] compiled in {runner.warm_up():.0f} s", flush=True)
 
     # --8<-- [start:interface]
     def new_request(self, prompt: str | list[int], max_new_tokens: int | None = None,

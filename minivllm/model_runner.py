@@ -70,4 +70,10 @@ class ModelRunner:
             for i, token in zip(ready, sample(logits[ready], [requests[i] for i in ready])):
                 tokens[i] = token
         return tokens
+
+    def warm_up(self) -> float:
+        """Build whatever a model builds before serving (compiled kernels, Chapter 13) on this
+        runner's pool; seconds it took, 0 for a model with nothing to build."""
+        warm_up = getattr(self.model, "warm_up", None)
+        return warm_up(self.kv) if warm_up is not None else 0.0
 # --8<-- [end:runner]

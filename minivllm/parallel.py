@@ -29,7 +29,7 @@ import torch.distributed as dist
 from minivllm.kv_cache import KVPool
 from minivllm.model import LlamaModel, ModelConfig, input_major, matmul, nbytes
 from minivllm.model_files import pick_device
-from minivllm.model_runner import load_model
+from minivllm.model_runner import ModelRunner, load_model
 
 # Workers wait for the next step inside a broadcast, however long the server sits idle, so the
 # group's timeout is long; a dead peer is noticed by the watchers below, not by a timeout.
@@ -245,6 +245,8 @@ def serve(rank: int, size: int, device: torch.device) -> None:
             model.forward(kv.batch(new_tokens, places, starts, device), kv, num_logits=num_logits)   # rank 0 samples
         elif message[0] == "stats":
             gather_stats(model, kv, comm)
+        elif message[0] == "warm_up":   # the same warm-up steps as rank 0, collectives and all
+            ModelRunner(model, kv).warm_up()
         else:
             return
 # --8<-- [end:worker]

@@ -105,6 +105,12 @@ class TensorParallelRunner(ModelRunner):
                                **comm.count, **{f"{k}_bytes": v for k, v in comm.bytes.items()}})
             return logits
 
+    def warm_up(self) -> float:
+        """Every rank warms up together: a compiled model's warm-up steps run collectives."""
+        with self.lock:
+            self.comm.broadcast(("warm_up",))
+            return super().warm_up()
+
     def rank_stats(self) -> list[dict]:
         """Every rank's own bytes and heads, as the rank itself counts them."""
         with self.lock:

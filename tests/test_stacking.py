@@ -58,10 +58,10 @@ def test_every_single_process_feature_at_once_matches_its_format_alone(tiny_mode
 
     params = SamplingParams(ignore_eos=True)
     prompts = PROMPTS + [PROMPTS[0]]          # the repeat hits the prefix cache
-    with LLM(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, quant="int4") as plain:
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, block_size=4, quant="int4") as plain:
         expected = [r.output_ids for r in plain.generate_batch(prompts, 16, params)]
-    with LLM(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, quant="int4", prefix_caching=True,
-             speculative="ngram", compile=True) as stacked:
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory=8 << 20, block_size=4, quant="int4",
+             prefix_caching=True, speculative="ngram", compile=True) as stacked:
         got = [stacked.generate(p, 16, params).output_ids for p in prompts]
         assert stacked.features()["prefix_caching"] and stacked.features()["compile"]
         assert stacked.stats()["prefix_cache_hit_rate"] > 0
