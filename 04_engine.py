@@ -38,6 +38,8 @@ hf_hooks = importlib.import_module("04_hf_hooks")   # how HF's generate honours 
 class BaselineEngine(BaseOfflineEngine):
     """Chapter 1: HuggingFace's generate() behind our interface. A black box, but correct."""
 
+    accepts_token_ids = True   # a prompt may be its token ids (minivllm/text.py: tokenize)
+
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, structured_output=None):
@@ -62,9 +64,9 @@ class BaselineEngine(BaseOfflineEngine):
         return {e for e in eos + [self.tokenizer.eos_token_id] if e is not None}
 
     # --8<-- [start:encode]
-    def encode(self, prompt: str, max_new_tokens: int) -> torch.Tensor:
-        """Tokenize one prompt onto the device, refusing requests the model cannot serve."""
-        ids = tokenize(self.tokenizer, prompt, max_new_tokens, self.context_length)
+    def encode(self, prompt: str | list[int], max_new_tokens: int) -> torch.Tensor:
+        """Tokenize one prompt (or take its ids) onto the device, refusing requests the model cannot serve."""
+        ids = tokenize(self.tokenizer, prompt, max_new_tokens, self.context_length, self.vocab_size)
         return torch.tensor([ids], device=self.device)
     # --8<-- [end:encode]
 

@@ -96,9 +96,9 @@ class OpenAIServer:
         self.check_size([m["content"] for m in messages], "messages")   # before the template's work
 
         def prepare_chat() -> list:   # template and tokenizer: in a thread, not on the event loop
-            if self.batching:   # token ids, in which the client's text cannot spell control tokens
-                prompt = api.chat_ids(self.engine.tokenizer, messages, engine_lib.render_chat)
-            else:               # Chapter 1's engines take text, and tokenise it themselves
+            if getattr(self.engine, "accepts_token_ids", False):   # ids, in which a client's text
+                prompt = api.chat_ids(self.engine.tokenizer, messages, engine_lib.render_chat)   # cannot spell control tokens
+            else:               # an engine that takes only text tokenises the template's text itself
                 prompt = engine_lib.render_chat(self.engine.tokenizer, messages)
             return self.prepare([prompt], limit, field, params)
 
@@ -145,7 +145,8 @@ class OpenAIServer:
         thread: tokenizers are slow.
 
         A batching engine gets the prompt's token ids, tokenised here once, in a request it has
-        already validated (`new_request`). The others take text and their budget."""
+        already validated (`new_request`). The others get the ids too where they take them
+        (`accepts_token_ids`), else the text, each with its budget."""
         if requested is not None and self.context_length and requested > self.context_length:
             raise APIError(400, f"{field} is {requested}, but this model's maximum context "
                                 f"length is {self.context_length} tokens.", param=field)
@@ -154,7 +155,8 @@ class OpenAIServer:
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
             if self.batching:
                 return [self.engine.new_request(i, requested or self.default_budget(len(i)), params) for i in ids]
-            jobs = [(p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
+            takes_ids = getattr(self.engine, "accepts_token_ids", False)   # then tokenised once, here
+            jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
             if len(jobs) > 1 and hasattr(self.engine, "encode"):   # Chapter 1's checks: text, length, window
                 for prompt, budget in jobs:
                     self.engine.encode(prompt, params.token_budget(budget))

@@ -37,6 +37,8 @@ DEFAULT_KV_MEMORY = 2 << 30   # bytes of KV cache one generate_batch chunk may a
 class ModelEngine(BaseOfflineEngine):
     """Chapter 6: tokenizer + output processor + model runner, and the decode loop that drives them."""
 
+    accepts_token_ids = True   # a prompt may be its token ids (minivllm/text.py: tokenize)
+
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
                  dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,

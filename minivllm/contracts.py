@@ -335,6 +335,11 @@ class GenerateResult:
 class BaseOfflineEngine(ABC):
     """Text in, GenerateResult out. Every chapter's engine is one of these."""
 
+    # An engine that also takes a prompt as token ids says so: a server then tokenises a chat once,
+    # each message's text read as text, and hands the ids on (a client typing "<|im_start|>"
+    # forges no turn). One that takes only text gets the rendered template.
+    accepts_token_ids: bool = False
+
     @abstractmethod
     def generate(
         self,

@@ -37,6 +37,8 @@ from minivllm.text import tokenize
 class LLMEngine(EngineLoop, BaseOfflineEngine):
     """Chapter 9: a scheduler picks every step's batch from parts built elsewhere."""
 
+    accepts_token_ids = True   # a prompt may be its token ids (minivllm/text.py: tokenize)
+
     # --8<-- [start:init]
     def __init__(self, model_name: str, tokenizer, output: OutputProcessor, runner: ModelRunner,
                  blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256,

@@ -457,6 +457,8 @@ class ContractBatchingEngine:
     token ids and refuses bad input, submit_all hands built requests over in one go, stats() counts
     the scheduler's queue. It records what it was given."""
 
+    accepts_token_ids = True
+
     def __init__(self, inner, waiting: int = 0):
         self.inner, self.context_length, self.waiting = inner, inner.context_length, waiting
         self.tokenizer = CountingTokenizer(inner.tokenizer)
@@ -639,6 +641,23 @@ def test_special_token_text_in_a_message_stays_text(tiny_engine):
         assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": FORGED}],
                                                     "max_tokens": 2}).status_code == 200
     assert engine.built == [forged]
+
+
+@pytest.mark.parametrize("takes_ids", [True, False])
+def test_every_engine_that_takes_ids_gets_a_chat_tokenised_once(tiny_engine, monkeypatch, takes_ids):
+    """Chapter 1's engine too: the conversation's ids, each message read as text (no forged turn).
+    An engine that takes only text gets the rendered template, as before."""
+    tok, render = tiny_engine.tokenizer, load_script("04_engine").render_chat
+    given = []
+    encode = type(tiny_engine).encode
+    monkeypatch.setattr(tiny_engine, "encode", lambda prompt, n: (given.append(prompt), encode(tiny_engine, prompt, n))[1])
+    monkeypatch.setattr(tiny_engine, "accepts_token_ids", takes_ids)
+    messages = [{"role": "user", "content": FORGED}]
+    with TestClient(server.make_app(tiny_engine)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    expected = server.api.chat_ids(tok, messages, render) if takes_ids else render(tok, messages)
+    assert given and all(p == expected for p in given)
 
 
 def test_reading_text_as_text_leaves_the_shared_tokenizer_as_it_was(tiny_engine):
