@@ -13,6 +13,9 @@ import math
 import re
 from pathlib import Path
 
+from minivllm.config import (GROUP_SIZES, MAX_BLOCK_SIZE, MAX_SEQS, MAX_SPECULATIVE_TOKENS,  # noqa: F401
+                             MAX_TENSOR_PARALLEL, QUANT_FORMATS, QUANT_HEADS, SPECULATIVE_METHODS, EngineConfig)
+
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 
@@ -114,14 +117,9 @@ def byte_size(text: str) -> int:
 
 # --8<-- [start:engine-options]
 # Every feature of the assembled engine is one keyword of its constructor, and the same name
-# as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...).
-QUANT_FORMATS = ("bf16", "int8", "int4")
-GROUP_SIZES = (32, 64, 128, 256)
-QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
-SPECULATIVE_METHODS = ("ngram", "draft")
-ENGINE_OPTIONS = ("quant", "group_size", "quant_head", "prefix_caching", "kv_memory", "block_size",
-                  "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens", "draft_model",
-                  "tensor_parallel_size", "compile")
+# as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...). The names,
+# choices and bounds are the engine's own (minivllm/config.py): written once, read here.
+ENGINE_OPTIONS = EngineConfig.names()
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -140,22 +138,22 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="share the KV blocks of prompt prefixes seen before (Chapter 8)")
     g.add_argument("--kv-memory", type=byte_size, default=None,
                    help="KV pool size, e.g. 512MB; MB means MiB, 2**20 bytes (Chapter 7)")
-    g.add_argument("--block-size", type=integer(1, 1024), default=None, help="tokens per KV block (Chapter 7)")
-    g.add_argument("--max-num-seqs", type=integer(1, 65536), default=None,
+    g.add_argument("--block-size", type=integer(1, MAX_BLOCK_SIZE), default=None, help="tokens per KV block (Chapter 7)")
+    g.add_argument("--max-num-seqs", type=integer(1, MAX_SEQS), default=None,
                    help="sequences in one step, at most (Chapter 9)")
-    g.add_argument("--max-num-batched-tokens", type=integer(1, 65536), default=None,
+    g.add_argument("--max-num-batched-tokens", type=integer(1, MAX_SEQS), default=None,
                    help="tokens in one step, at most (Chapter 9)")
     g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                    help="guess tokens and verify them in one step (Chapter 10): ngram = prompt lookup, "
                         "draft = a draft model")
-    g.add_argument("--num-speculative-tokens", type=integer(1, 16), default=None,
+    g.add_argument("--num-speculative-tokens", type=integer(1, MAX_SPECULATIVE_TOKENS), default=None,
                    help="guesses per verification, at most (default 4)")
     g.add_argument("--draft-model", default=None,
                    help="the draft model, same tokenizer (default: this model on int4 weights)")
-    g.add_argument("--tensor-parallel-size", type=integer(1, 64), default=None,
+    g.add_argument("--tensor-parallel-size", type=integer(1, MAX_TENSOR_PARALLEL), default=None,
                    help="split the model over N processes: gloo on CPU, NCCL on N GPUs (Chapter 14)")
     g.add_argument("--compile", action="store_true", default=None,
-                   help="packed weights, fused ops and paged attention via torch.compile (Chapter 13); "
+                   help="packed weights and fused ops via torch.compile (Chapter 13); "
                         "the first start compiles for a minute or two, later ones read inductor's cache")
 
 
