@@ -32,6 +32,13 @@ def blocks_in(config: ModelConfig, kv_memory: int, block_size: int, dtype=torch.
     return kv_memory // per_block
 
 
+def describe(pool) -> str:
+    """The pool as an engine announces it: whole blocks only, so a little under kv_memory."""
+    mib = pool.nbytes / 2**20
+    return (f"{pool.num_blocks} blocks x {pool.block_size} tokens = {pool.num_blocks * pool.block_size:,} "
+            f"tokens in {mib:.{1 if mib < 100 else 0}f} MiB")
+
+
 # --8<-- [start:pool]
 class KVPool:
     """Every layer's keys and values, in num_blocks blocks of block_size token slots each.

@@ -29,7 +29,7 @@ from minivllm.compile import Compile
 from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, EngineConfig
 from minivllm.contracts import GenerateResult, SamplingParams
 from minivllm.engine import LLMEngine
-from minivllm.kv_cache import KVPool, blocks_in
+from minivllm.kv_cache import KVPool, blocks_in, describe
 from minivllm.model import ModelConfig
 from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device
 from minivllm.model_runner import ModelRunner, load_model
@@ -104,9 +104,7 @@ class LLM(LLMEngine):
         m, pool = runner.model, runner.kv
         if m.format_name:
             print(f"[engine] weights: {m.format_name}, {m.weight_bytes / 1e6:.0f} MB", flush=True)
-        mib = pool.nbytes / 2**20            # whole blocks only: a little under kv_memory
-        print(f"[engine] KV pool: {pool.num_blocks} blocks x {pool.block_size} tokens = "
-              f"{pool.num_blocks * pool.block_size:,} tokens in {mib:.{1 if mib < 100 else 0}f} MiB", flush=True)
+        print(f"[engine] KV pool: {describe(pool)}", flush=True)
         if self.config.compile:   # Chapter 13: the kernels are built now, not during the first request
             print("[engine] compiling the step (torch.compile) ...", flush=True)
             print(f"[engine] compiled in {runner.warm_up():.0f} s", flush=True)
