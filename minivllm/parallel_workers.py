@@ -15,6 +15,7 @@ import collections
 import ctypes
 import json
 import multiprocessing.connection
+from multiprocessing import resource_tracker
 import os
 import signal
 import socket
@@ -211,6 +212,9 @@ class ProcessGroup:
         threads = max(1, torch.get_num_threads() // size)       # the cores, shared out
         torch.set_num_threads(threads)
         context = mp.get_context("spawn")
+        # Spawning starts multiprocessing's resource tracker, a process of its own, unless one runs
+        # already; close() stops it again when we started it, so nothing outlives the engine.
+        self.started_tracker = getattr(resource_tracker._resource_tracker, "_fd", None) is None
         init_method = f"tcp://127.0.0.1:{port}"
         for rank in range(1, size):
             proc = context.Process(target=worker_main, name=f"tp-rank-{rank}", daemon=True,
@@ -252,4 +256,7 @@ class ProcessGroup:
         self.stop_workers(grace)
         if dist.is_initialized():
             dist.destroy_process_group()
+        stop_tracker = getattr(resource_tracker._resource_tracker, "_stop", None)   # CPython's, 3.8+
+        if getattr(self, "started_tracker", False) and stop_tracker is not None:
+            stop_tracker()
 # --8<-- [end:group]
