@@ -31,10 +31,13 @@ from __future__ import annotations
 import torch
 
 from kit import cli
-from minivllm.model import (SUPPORTED_MODEL_TYPES, KVCache, LlamaModel, ModelConfig, RaggedBatch,  # noqa: F401
-                            apply_rope, input_major, rms_norm, rope_angles, rope_frequencies)
+from minivllm.batch import KVCache, RaggedBatch  # noqa: F401
+from minivllm.model import (SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig, apply_rope, rms_norm,  # noqa: F401
+                            rope_angles, rope_frequencies)
+from minivllm.weights import input_major  # noqa: F401
 
-# The model itself (config, RoPE, KV cache, ragged batch, forward pass): minivllm/model.py
+# The model itself (config, RoPE, forward pass): minivllm/model.py; the ragged batch and the
+# KV cache of rows: minivllm/batch.py; a weight as a linear operation: minivllm/weights.py
 
 
 # ---------------------------------------------------------------- the demonstration

@@ -21,7 +21,8 @@ import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, below)
 import torch.nn.functional as F
 
 from minivllm.kv_cache import PagedBatch
-from minivllm.model import LlamaModel, apply_rope, map_weights, rms_norm, rope_angles
+from minivllm.model import LlamaModel, apply_rope, rms_norm, rope_angles
+from minivllm.weights import map_weights
 from minivllm.quantization import HalfWeight
 
 # --8<-- [start:packed]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY  # noqa: F401  (the pool's defaults)
-from minivllm.model import ModelConfig, RaggedBatch
+from minivllm.batch import RaggedBatch
+from minivllm.model import ModelConfig
 
 
 

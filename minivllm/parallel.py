@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from minivllm.kv_cache import KVPool
-from minivllm.model import LlamaModel, ModelConfig, input_major, matmul, nbytes
+from minivllm.model import LlamaModel, ModelConfig
+from minivllm.weights import input_major, matmul, nbytes
 from minivllm.model_files import pick_device
 from minivllm.model_runner import ModelRunner, load_model
 

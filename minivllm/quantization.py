@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.model import LlamaModel, map_weights
+from minivllm.model import LlamaModel
+from minivllm.weights import map_weights
 
 MODES = ("none", "bf16", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)       # what torch's int4 kernels accept
