@@ -59,9 +59,7 @@ class BaselineEngine(BaseOfflineEngine):
         return int(self.model.config.vocab_size)
 
     def _eos_ids(self) -> set[int]:
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        return {e for e in eos + [self.tokenizer.eos_token_id] if e is not None}
+        return model_files.merge_eos(self.model.generation_config.eos_token_id, self.tokenizer)
 
     # --8<-- [start:encode]
     def encode(self, prompt: str | list[int], max_new_tokens: int) -> torch.Tensor:

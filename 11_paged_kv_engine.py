@@ -51,10 +51,7 @@ class PagedEngine(engine10.ModelEngine):
     def new_request(self, prompt: str | list[int], max_new_tokens: int,
                     params: SamplingParams | None = None, arrival: float | None = None) -> Request:
         r = super().new_request(prompt, max_new_tokens, params, arrival)
-        need = self.blocks.blocks_for(r.n_prompt + r.budget)
-        if need > self.blocks.num_blocks:   # could never fit, however long it waited
-            raise ValueError(f"prompt ({r.n_prompt} tokens) + max_new_tokens ({r.budget}) needs {need} KV blocks; "
-                             f"the pool has {self.blocks.num_blocks}: raise kv_memory or lower max_new_tokens")
+        self.blocks.check_fits(r.n_prompt, r.budget)
         return r
 
     # --8<-- [start:run]

@@ -1,24 +1,7 @@
 """12_prefix_cache.py - Chapter 8: prefix caching. Compute a shared prompt prefix once.
 
-Real traffic repeats itself. Every request of a chat app starts with the same system
-prompt; every turn of a conversation resends the whole history. With a paged KV cache
-(Chapter 7) the keys and values in a *full* block depend only on the tokens before and
-in that block, so a block computed for one request is valid for any later request whose
-prompt starts with the same tokens. vLLM finds such blocks by hash:
-
-    block hash      hash(parent block's hash, this block's token ids): one number that
-                    stands for the whole prefix up to the end of the block
-    cache table     hash -> the pool block holding that prefix's K/V
-    a new request   walks its prompt block by block, shares every block it finds
-                    (reference count + 1) and computes only the rest; the last prompt
-                    token is always computed, because its logits are the first output
-    eviction        a cached block nobody uses keeps its K/V on an evictable list and is
-                    refilled (least recently used first) only when the free list is empty
-
-A hit compares the stored token ids too, so a hash collision costs a miss, never a wrong
-answer. Shared blocks are full and never written again; the partial last block of every
-sequence is its own. The engine reports how many prompt tokens came from the cache
-(`cached_tokens`, as OpenAI's usage does).
+The idea and the cache itself (block hashes, the cache table, eviction) are
+minivllm/prefix_cache.py; this script walks it by hand on made-up blocks, no model.
 
     python 12_prefix_cache.py                    # a prefix cache walked by hand, no model
     python 12_prefix_cache_demo.py               # a shared system prompt, a conversation: TTFT on/off

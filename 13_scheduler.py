@@ -1,16 +1,10 @@
 """13_scheduler.py - Chapter 9: the scheduler that decides, every step, who runs.
 
-A request is a list of tokens (its prompt, then what it generated) and one number:
-how many of those tokens already have keys and values in the KV pool (`num_computed`).
-Every step each scheduled request feeds the model its next uncomputed tokens:
+The scheduler itself (requests as tokens plus `num_computed`, chunked prefill, decode,
+preemption by recompute) is minivllm/scheduler.py; this script runs it on made-up requests,
+no model, and prints every decision.
 
-    a new request       its prompt, in chunks of at most the step's token budget
-    a running request   its one newest token (a decode step)
-    a preempted one     everything again, prompt and generated tokens: recompute
-
-When the last known token has been fed, that forward's logits give the next token.
-Prefill and decode are the same operation on different lengths, so one ragged batch
-can carry both. The scheduler is bookkeeping only: no tensors, no model.
+    python 13_scheduler.py
 """
 
 from __future__ import annotations

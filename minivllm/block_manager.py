@@ -30,6 +30,13 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def check_fits(self, n_prompt: int, budget: int) -> None:
+        """A ValueError for a request the whole pool could never hold, however long it waited."""
+        need = self.blocks_for(n_prompt + budget)
+        if need > self.num_blocks:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_new_tokens ({budget}) needs {need} KV blocks; "
+                             f"the pool has {self.num_blocks}: raise kv_memory or lower max_new_tokens")
+
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)

@@ -85,10 +85,7 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         ids = tokenize(self.tokenizer, prompt, budget, self.context_length, self.model.config.vocab_size)
-        need = self.blocks.blocks_for(len(ids) + budget)
-        if need > self.blocks.num_blocks:   # could never fit, however long it waited
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({budget}) needs {need} KV blocks; "
-                             f"the pool has {self.blocks.num_blocks}: raise kv_memory or lower max_new_tokens")
+        self.blocks.check_fits(len(ids), budget)
         return self.output.new_request(ids, params, budget, arrival)
     # --8<-- [end:new-request]
 

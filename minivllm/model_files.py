@@ -201,6 +201,11 @@ def eos_token_ids(folder: Path, tokenizer) -> set[int]:
     for name in ("generation_config.json", "config.json"):
         if (Path(folder) / name).exists() and eos is None:
             eos = json.loads((Path(folder) / name).read_text()).get("eos_token_id")
+    return merge_eos(eos, tokenizer)
+
+
+def merge_eos(eos: int | list[int] | None, tokenizer) -> set[int]:
+    """A config's eos_token_id (one id, a list, or none) together with the tokenizer's."""
     eos = eos if isinstance(eos, list) else [eos]
     return {e for e in eos + [tokenizer.eos_token_id] if e is not None}
 # --8<-- [end:folder]
