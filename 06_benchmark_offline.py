@@ -28,7 +28,7 @@ without that feature is refused in one line rather than measured without it.
 
 `--peer vllm` adds vLLM's CPU build as one more row, run in its own venv on the same model
 folder and the same requests, alternating with our engines run by run (kit/peers.py;
-install it once with `bash ../shared/peers/install_vllm.sh /tmp/peers/vllm`):
+install it once with `bash scripts/peers/install_vllm.sh /tmp/peers/vllm`):
 
     python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos \\
         --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm

@@ -2,8 +2,8 @@
 
 A speed-up over our own baseline says how far the book's engines came; a ratio against vLLM,
 the engine this project measures itself against, says how far they still are. vLLM is never a
-dependency: `../shared/peers/install_vllm.sh` puts its CPU build in a venv of its own, and the
-benchmark runs that venv's python on `../shared/peers/vllm_offline.py` as a subprocess, with
+dependency: `scripts/peers/install_vllm.sh` puts its CPU build in a venv of its own, and the
+benchmark runs that venv's python on `scripts/peers/vllm_offline.py` as a subprocess, with
 the workload our engines get written to a JSON file (every prompt with its own max_tokens).
 
 vLLM's script runs the workload three times in one process and prints the median output
@@ -61,8 +61,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def peers_dir() -> Path:
-    """Where install_vllm.sh and vllm_offline.py live: $PEERS_DIR, or ../shared/peers beside the repository."""
-    return Path(os.environ.get("PEERS_DIR") or REPO_ROOT.parent / "shared" / "peers").expanduser()
+    """Where install_vllm.sh and vllm_offline.py live: $PEERS_DIR, or the repository's scripts/peers."""
+    return Path(os.environ.get("PEERS_DIR") or REPO_ROOT / "scripts" / "peers").expanduser()
 
 
 def venv_dir(venv: str | None = None) -> Path:

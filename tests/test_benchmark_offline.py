@@ -4,6 +4,9 @@ numbers, the loop on a fake engine, the engine flags, a tiny real run."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -533,12 +536,51 @@ def test_peer_output_is_parsed_or_refused():
         peers.parse_rates("Traceback ...", 3)
 
 
-def test_peer_scripts_are_found_beside_the_repository_or_where_peers_dir_says(tmp_path, monkeypatch):
+def test_peer_scripts_are_found_in_the_repository_or_where_peers_dir_says(tmp_path, monkeypatch):
     from kit import peers
 
     monkeypatch.delenv("PEERS_DIR", raising=False)
-    assert peers.peers_dir() == workloads.REPO_ROOT.parent / "shared" / "peers"   # ../shared/peers
+    assert peers.peers_dir() == workloads.REPO_ROOT / "scripts" / "peers"      # the repository's own
+    assert (peers.peers_dir() / "vllm_offline.py").is_file() and (peers.peers_dir() / "install_vllm.sh").is_file()
     monkeypatch.setenv("PEERS_DIR", str(tmp_path))
     assert "Set PEERS_DIR to the folder" in peers.missing(str(tmp_path))          # no vllm_offline.py there
     monkeypatch.setenv("VLLM_VENV", str(tmp_path / "elsewhere"))
     assert peers.venv_dir() == tmp_path / "elsewhere" and peers.venv_dir("/x") == Path("/x")
+
+
+FAKE_VLLM = '''
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
+        self.max_tokens = max_tokens
+
+class _Completion:
+    def __init__(self, n): self.token_ids = list(range(n))
+
+class _Output:
+    def __init__(self, prompt, n): self.prompt_token_ids, self.outputs = prompt.split(), [_Completion(n)]
+
+class LLM:
+    def __init__(self, **settings): self.settings = settings
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [_Output(p, s.max_tokens) for p, s in zip(prompts, params)]
+'''
+
+
+def test_the_repositorys_vllm_script_prints_what_the_benchmark_reads(tmp_path):
+    """scripts/peers/vllm_offline.py against a stand-in `vllm` (the real one lives in its own venv):
+    the line it prints is the line kit/peers.py parses, with every request's tokens counted."""
+    from kit import peers
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    work = tmp_path / "work.json"
+    work.write_text(json.dumps([{"prompt": "a b c", "max_tokens": 5}, {"prompt": "d", "max_tokens": 7}]))
+    done = subprocess.run([sys.executable, str(peers.peers_dir() / "vllm_offline.py"), "model", str(work),
+                           "--single", "x", "--prefill", "one two three"],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "workload: 2 requests, output tokens/s median" in done.stdout
+    assert "batch 1: tokens/s median" in done.stdout and "prefill: 3 tokens" in done.stdout
+    rate, runs = peers.parse_rates(done.stdout, 2)
+    assert rate > 0 and len(runs) == 3
