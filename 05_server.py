@@ -297,7 +297,7 @@ class OpenAIServer:
                                                      "function": {"name": fn["name"], "arguments": ""}}]}))
                     yield sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": fn["arguments"]}}]}))
                     finish = "tool_calls"
-                elif rest := hold.rest():
+                elif rest := hold.rest(cut_short=finish == "length"):
                     yield sse(chunk({"content": rest}))
             final = chunk({} if chat else "", finish, result=item)
             final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply

@@ -502,6 +502,9 @@ def chat_completion(rid: str, created: int, model_name: str, result, tokenizer, 
     call = structured_api.parse_tool_call(result.text) if tools else None
     if call:
         message, finish = {"role": "assistant", "content": call[0], "tool_calls": [call[1]]}, "tool_calls"
+    elif tools:   # a call cut short by max_tokens or a stop string: its finish_reason says why
+        kept = structured_api.without_unfinished_call(result.text, cut_short=finish == "length")
+        message["content"] = kept.strip() or None
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model_name,
         "choices": [{"index": 0, "message": message,

@@ -71,6 +71,14 @@ def tools_constraint(tools: list, choice) -> dict:
     'auto' allows either; 'required' and a named function allow only a call (of that function)."""
     wanted = tool_choice_name(choice)
     names = [t.function.name for t in tools]
+    for i, tool in enumerate(tools):
+        if names.index(tool.function.name) != i:
+            raise FieldError("tools", f"tools[{i}]: the function name {tool.function.name!r} is used twice; "
+                                      "a call names its function, so each needs its own name")
+        schema = tool.function.parameters
+        if schema is not None and (not isinstance(schema, dict) or schema.get("type") != "object"):
+            raise FieldError("tools", f"tools[{i}].function.parameters must be a JSON Schema of type 'object' "
+                                      "(a call's arguments are named)")
     if wanted not in ("auto", "required") and wanted not in names:
         raise FieldError("tool_choice", f"tool_choice names the function {wanted!r}, which is not in tools ({names})")
     chosen = [t for t in tools if wanted in ("auto", "required") or t.function.name == wanted]
@@ -133,6 +141,17 @@ def parse_tool_call(text: str) -> tuple[str | None, dict] | None:
                      "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
+def without_unfinished_call(text: str, cut_short: bool) -> str:
+    """A reply with no complete call: the text before a call it opened, since half a call is
+    neither content nor a call. Cut short by the budget, a tail that may be the first letters of
+    `<tool_call>` goes too (the model was writing the tag when it ran out)."""
+    cut = text.find(TOOL_OPEN)
+    if cut < 0 and cut_short:
+        cut = next((i for i in range(max(0, len(text) - len(TOOL_OPEN) + 1), len(text))
+                    if TOOL_OPEN.startswith(text[i:])), -1)
+    return text if cut < 0 else text[:cut]
+
+
 class HoldBack:
     """A stream's text, minus anything that may be the start of a tool call: that waits for the end."""
 
@@ -148,8 +167,9 @@ class HoldBack:
         out, self.sent = self.text[self.sent:max(cut, self.sent)], max(cut, self.sent)
         return out
 
-    def rest(self) -> str:
-        """At the end, with no call found: the text that was held back."""
-        out, self.sent = self.text[self.sent:], len(self.text)
+    def rest(self, cut_short: bool = False) -> str:
+        """At the end, with no complete call: the text that was held back, up to a call cut short."""
+        kept = without_unfinished_call(self.text, cut_short)
+        out, self.sent = kept[self.sent:], len(self.text)
         return out
 # --8<-- [end:parse]

@@ -55,9 +55,80 @@ def compact_json(tag):
     return {key: compact_json(value) for key, value in tag.items()}
 
 
+# --8<-- [start:schema-keywords]
+# A grammar enforces what it can express, and xgrammar skips what it cannot: a schema asking for
+# `uniqueItems` or `not` would come back answered by output that ignores them. So a schema may use
+# only keywords the grammar enforces (checked against xgrammar's output), plus annotations that
+# constrain nothing; anything else is refused by name, as OpenAI's strict mode refuses it.
+ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems",
+            "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
+            "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+            "exclusiveMaximum", "multipleOf", "minProperties", "maxProperties"}
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+               "deprecated", "readOnly", "writeOnly"}
+WHY_NOT = {"oneOf": "the grammar cannot check that exactly one branch matches; use anyOf",
+           "additionalProperties": "a key the schema does not name could be written twice; "
+                                   "name every key and set additionalProperties to false"}
+
+
+def check_schema(schema, where: str = "schema") -> None:
+    """A ValueError naming the first keyword of `schema` the grammar would not enforce, or a
+    $ref outside the schema (remote schemas are never fetched)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON object (a schema), got {type(schema).__name__}")
+    for key, value in schema.items():
+        at = f"{where}.{key}"
+        if key in ANNOTATIONS:
+            continue
+        if key not in ENFORCED or (key == "additionalProperties" and value is not False):
+            reason = WHY_NOT.get(key, "the grammar cannot enforce it")
+            raise ValueError(f"{at}: the keyword {key!r} is not supported ({reason})")
+        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise ValueError(f"{at}: only references inside the schema ('#/...') are supported, got {value!r}")
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema(sub, f"{at}.{name}")
+        elif key in ("items", "additionalProperties"):
+            check_schema(value, at)
+        elif key in ("prefixItems", "anyOf") and isinstance(value, list):
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{at}[{i}]")
+# --8<-- [end:schema-keywords]
+
+
+def schemas_in(spec: tuple) -> list:
+    """The JSON schemas a constraint holds: its own, or each json_schema part of a structural tag."""
+    kind, value = spec
+    if kind == "json_schema":
+        return [json.loads(value)]
+    if kind != "structural_tag":
+        return []
+    found = []
+
+    def walk(node):
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append(node["json_schema"])
+            for item in node.values():
+                walk(item)
+
+    walk(json.loads(value))
+    return found
+
+
 @functools.lru_cache(maxsize=1024)
 def check_structured(spec: tuple) -> None:
-    """Refuse a constraint that does not parse: a ValueError naming the problem."""
+    """Refuse a constraint that would not be kept, or does not parse: a ValueError naming the problem."""
+    for schema in schemas_in(spec):
+        try:
+            check_schema(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured {spec[0]}: {exc}") from None
     try:
         parse_grammar(spec)
     except Exception as exc:   # xgrammar reports every problem as a RuntimeError with its C++ location

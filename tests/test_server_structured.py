@@ -175,6 +175,20 @@ BAD = [
     ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice"),
     ("two constraints", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ("a bad regex", {"guided_regex": "a("}, "guided_regex"),
+    *[(f"a schema with {keyword}", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": schema}, "required": ["a"]}}}}, "response_format")
+      for keyword, schema in [("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+                              ("allOf", {"allOf": [{"type": "string"}, {"type": "integer"}]}),
+                              ("not", {"not": {"type": "string"}}),
+                              ("if/then", {"type": "integer", "if": {"minimum": 1}, "then": {"maximum": 3}}),
+                              ("patternProperties", {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}),
+                              ("open keys", {"type": "object", "additionalProperties": True}),
+                              ("a remote $ref", {"$ref": "http://example.com/x.json"})]],
+    ("a tool whose parameters are not an object", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, "tools"),
+    ("two tools with one name", {"tools": [WEATHER, WEATHER]}, "tools"),
+    ("a tool schema with uniqueItems", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]}, "tools"),
     ("an empty guided_choice", {"guided_choice": []}, "guided_choice"),
 ]
 
@@ -205,3 +219,44 @@ def test_a_stream_holds_back_what_may_be_a_call():
     assert plain.feed("a <b") == "a <b" and plain.feed(" <") == " " and plain.rest() == "<"
     assert sa.parse_tool_call("<tool_call>{not json}</tool_call>") is None
     assert sa.parse_tool_call('<tool_call>{"name": "f", "arguments": {}') is None   # cut off by the budget
+
+
+def test_a_refused_keyword_is_named_with_where_it_is(http):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    response = http.post("/v1/chat/completions", json={"messages": HELLO, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "schema.properties.tags.uniqueItems" in message and "not supported" in message
+
+
+def test_schema_check_allows_annotations_and_enforced_keywords_only():
+    from minivllm.structured import check_schema
+
+    check_schema({"title": "t", "description": "d", "type": "object", "$defs": {"p": {"type": "integer"}},
+                  "properties": {"a": {"$ref": "#/$defs/p", "default": 1}, "b": {"anyOf": [{"type": "string"}, True]}},
+                  "additionalProperties": False, "required": ["a"]})
+    for bad, where in [({"oneOf": [True]}, "schema.oneOf"), ({"items": {"contains": {}}}, "schema.items.contains"),
+                       ({"anyOf": [{"dependentRequired": {}}]}, "schema.anyOf[0].dependentRequired"),
+                       ({"maxItem": 3}, "schema.maxItem")]:
+        with pytest.raises(ValueError, match=where.replace("[", r"\[").replace("]", r"\]").replace("$", r"\$")):
+            check_schema(bad)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_short_is_not_sent_as_content(http, stream):
+    """tool_choice 'required' with a budget too small for the call: the reply says 'length' and
+    carries neither the half-written tag as text nor a call."""
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 3, "stream": stream}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {") and '"choices": [{' in line]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        calls = [c for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = response.json()["choices"][0]
+        text, calls, finish = choice["message"]["content"] or "", choice["message"].get("tool_calls"), choice["finish_reason"]
+    assert finish == "length" and not calls
+    assert "<" not in text and "tool_call" not in text
