@@ -75,15 +75,15 @@ class LLM(LLMEngine):
         speculation = SpeculativeDecoding(speculative, num_speculative_tokens, draft_model) if speculative else None
         device = pick_device(device)
         folder = model_folder(model)
+        full = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
+        num_blocks = blocks_in(full, kv_memory, block_size, dtype)   # a pool without one block: refused unloaded
         parallel = TensorParallel(tensor_parallel_size, folder, device) if tensor_parallel_size is not None else None
         self.config, self.folder = config, folder
         steps = weight_steps(config)
         print(f"[engine] loading {model or DEFAULT_MODEL} into LlamaModel on {device} ...", flush=True)
         tokenizer = load_tokenizer(folder)
         if parallel:   # every rank loads its shard, then the same steps; rank 0 is this process
-            full = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
-            runner = parallel.start(folder, dtype, device, blocks_in(full, kv_memory, block_size, dtype),
-                                    block_size, steps)
+            runner = parallel.start(folder, dtype, device, num_blocks, block_size, steps)
         else:
             weights = load_model(folder, dtype, device, steps)
             runner = ModelRunner(weights, KVPool.from_memory(weights.config, kv_memory, block_size,

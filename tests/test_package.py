@@ -70,3 +70,13 @@ def test_console_scripts_point_at_functions_that_exist():
                            "from kit.console import bench; bench()"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "--engine" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_pool_too_small_for_one_block_is_refused_before_the_weights_load(tiny_model_dir, monkeypatch):
+    from minivllm import LLM, llm
+
+    loaded = []
+    monkeypatch.setattr(llm, "load_model", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ValueError, match="less than one block"):
+        LLM(str(tiny_model_dir), device="cpu", kv_memory=1)
+    assert loaded == []
