@@ -165,10 +165,13 @@ class OpenAIServer:
             raise from_engine_error(exc) from exc
 
     def default_budget(self, n_prompt: int) -> int:
-        """Without max_tokens: what is left of the context window, at most 128."""
-        if not self.context_length:
-            return DEFAULT_MAX_TOKENS
-        return max(1, min(DEFAULT_MAX_TOKENS, self.context_length - n_prompt))
+        """Without max_tokens: what is left of the context window, and of the KV pool where the
+        engine has one (a small pool still answers a short prompt), at most 128."""
+        budget = DEFAULT_MAX_TOKENS
+        for limit in (self.context_length, getattr(self.engine, "token_capacity", None)):
+            if limit:
+                budget = min(budget, limit - n_prompt)
+        return max(1, budget)
     # --8<-- [end:prepare]
 
     # --8<-- [start:answer]

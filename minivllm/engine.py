@@ -57,6 +57,11 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
     # --8<-- [end:init]
 
     @property
+    def token_capacity(self) -> int:
+        """The most tokens one request can ever hold, prompt and answer: the whole KV pool."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    @property
     def model(self):
         return self.runner.model
 

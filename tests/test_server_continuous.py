@@ -282,3 +282,19 @@ def test_a_burst_that_fits_seats_and_max_waiting_is_all_admitted(tiny_model_dir)
     finally:
         wait_until_idle(engine)
         engine.close()
+
+
+def test_without_max_tokens_a_small_pool_still_answers_a_short_prompt(tiny_model_dir):
+    """The default budget (128, or what the context leaves) is clamped to what the KV pool holds:
+    a one-word chat on a 4-block pool is answered, not refused for a budget nobody asked for."""
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=4 * 16 * 2 * 4 * 2 * 16,
+                                         block_size=16)
+    try:
+        capacity = engine.token_capacity
+        assert capacity < 128 and capacity == engine.blocks.num_blocks * 16
+        with TestClient(server.make_app(engine)) as client:
+            r = client.post("/v1/completions", json={"prompt": "Hi", "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert 0 < r.json()["usage"]["completion_tokens"] <= capacity - r.json()["usage"]["prompt_tokens"]
+    finally:
+        engine.close()
