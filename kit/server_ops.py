@@ -44,7 +44,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.concurrency import run_in_threadpool
 
 from kit import cli, engine_view
@@ -181,6 +181,9 @@ class _SnapshotCollector:
               "kv_blocks_used": "llm_kv_blocks_used", "kv_blocks_free": "llm_kv_blocks_free",
               "prefix_cache_hit_rate": "llm_prefix_cache_hit_rate"}
 
+    COUNTERS = {"aborted": ("llm_requests_aborted", "requests stopped before they finished"),
+                "preemptions": ("llm_preemptions", "requests preempted for want of KV blocks")}
+
     def __init__(self, snapshot):
         self.snapshot = snapshot
 
@@ -189,6 +192,9 @@ class _SnapshotCollector:
         for key, name in self.GAUGES.items():
             if isinstance(snap.get(key), (int, float)):
                 yield GaugeMetricFamily(name, key.replace("_", " "), value=snap[key])
+        for key, (name, text) in self.COUNTERS.items():   # totals the engine keeps: counters
+            if isinstance(snap.get(key), int):
+                yield CounterMetricFamily(name, text, value=snap[key])
         features = snap.get("features")
         if features:   # Prometheus' "info" idiom: the settings as labels of a gauge that is always 1
             info = GaugeMetricFamily("llm_engine_features", "the engine's features, one label each",

@@ -173,6 +173,7 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
                 "kv_blocks_free": self.blocks.num_free,
                 "waiting": len(self.scheduler.waiting) + len(self._inbox),
                 "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
+                "aborted": self.num_aborted,
                 "batch_sizes": list(self.recent_batches),
                 **({"prefix_cache_hit_rate": round(self.blocks.hit_rate, 4)} if self.prefix_caching else {})}
 

@@ -30,6 +30,7 @@ class EngineLoop:
         self._idle, self._snapshots = False, []   # snapshot(): answered by the loop between two steps
         self._thread: threading.Thread | None = None
         self._by_id: dict[int, Request] = {}
+        self.num_aborted = 0   # requests stopped before they finished (a client that left, a cancel)
 
     # --8<-- [start:loop]
     def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
@@ -95,6 +96,7 @@ class EngineLoop:
                 if rid in self._by_id:
                     r = self._by_id.pop(rid)
                     self._leave(r)
+                    self.num_aborted += 1
                     r.sink.put(("aborted", None))   # wakes a reader blocked on this request
             if not self.scheduler.has_work():
                 continue

@@ -109,6 +109,7 @@ def test_a_client_that_hangs_up_frees_all_its_blocks(cb_engine, stream):
         time.sleep(0.005)
 
     cb_engine.on_step = paced
+    aborted = cb_engine.stats()["aborted"]
     try:
         asyncio.run(scenario())
         wait_until_idle(cb_engine)   # raises if the request still holds blocks or sits in a queue
@@ -123,6 +124,8 @@ def test_a_client_that_hangs_up_frees_all_its_blocks(cb_engine, stream):
     assert values[("llm_requests_total", (("endpoint", "/v1/completions"), ("status", "499")))] == 1
     # counted when the stream closed: the step then running may have added one more
     assert len(request.new_ids) - 1 <= values[("llm_generation_tokens_total", ())] <= len(request.new_ids)
+    assert cb_engine.stats()["aborted"] == aborted + 1            # the engine counts what it stopped,
+    assert values[("llm_requests_aborted_total", ())] == aborted + 1   # and Prometheus reads the count
     assert values[("llm_prompt_tokens_total", ())] == request.n_prompt
 
 
