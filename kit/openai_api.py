@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kit import structured_api
 from minivllm import text
+from minivllm.engine_loop import EngineUnavailable
 from minivllm.structured import StructuredOutput
 
 
@@ -248,8 +249,12 @@ class APIError(Exception):
 
 def from_engine_error(exc: Exception) -> APIError:
     """The engine refused the request (ValueError: e.g. prompt too long) or broke (anything else)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:   # a task group's one failure
+        exc = exc.exceptions[0]
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineUnavailable):   # e.g. a tensor-parallel worker died: the process is ending
+        return APIError(503, f"the engine is unavailable: {exc}", type_="server_error")
     if isinstance(exc, ValueError):   # the library's messages start with the field they refuse
         field = (str(exc).split(maxsplit=1) or [""])[0]
         known = field in ChatRequest.model_fields or field in CompletionRequest.model_fields

@@ -22,6 +22,10 @@ from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
 from minivllm.output import Request
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine can serve nothing more (a tensor-parallel worker died): a server answers 503."""
+
+
 class EngineLoop:
     """The thread that steps an engine while it has work, and the requests' way in and out."""
 
@@ -31,6 +35,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._by_id: dict[int, Request] = {}
         self.num_aborted = 0   # requests stopped before they finished (a client that left, a cancel)
+        self.broken: EngineUnavailable | None = None   # set by fail(): nothing more is served
 
     # --8<-- [start:loop]
     def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
@@ -44,8 +49,17 @@ class EngineLoop:
         self._hand_over(requests)
         return [RequestStream(self, r) for r in requests]
 
+    def fail(self, reason: str) -> None:
+        """The engine cannot go on (called from any thread): every request in flight or waiting ends
+        with this error, and every later one is refused with it, until the process ends."""
+        with self._cv:
+            self.broken = EngineUnavailable(reason)
+            self._cv.notify()
+
     def _hand_over(self, requests: list[Request]) -> None:
         """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
+        if self.broken:
+            raise self.broken
         for r in requests:
             r.sink = queue.SimpleQueue()
         cpu_threads.release_idle_workers()   # the loop thread computes; this thread's idle CPU workers go
@@ -64,7 +78,7 @@ class EngineLoop:
 
     def _has_work(self) -> bool:
         """Anything for the loop to do (called under self._cv)."""
-        return bool(self._inbox or self._aborts or self._closing or self.scheduler.has_work())
+        return bool(self._inbox or self._aborts or self._closing or self.broken or self.scheduler.has_work())
 
     def _loop(self) -> None:
         """The engine loop: take new requests and aborts, step while there is work, sleep when idle."""
@@ -77,8 +91,8 @@ class EngineLoop:
                 while not self._has_work():
                     self._cv.wait()
                 self._idle = False
-                if self._closing:                 # under the lock: no new loop starts meanwhile
-                    closed = RuntimeError("the engine was closed")
+                if self._closing or self.broken:  # under the lock: no new loop starts meanwhile
+                    closed = self.broken or RuntimeError("the engine was closed")
                     for r in self._inbox:
                         r.sink.put(("error", closed))
                     self._fail_in_flight(closed, everyone=True)

@@ -97,6 +97,8 @@ class LLM(LLMEngine):
                                        [] if draft_model else [WeightFormat("int4", 32)]) if speculation else None
         super().__init__(model or DEFAULT_MODEL, tokenizer, output, runner, blocks, max_num_seqs,
                          max_num_batched_tokens, speculator)
+        if parallel and runner.group:   # a worker that dies fails this engine's requests, then the process
+            runner.group.on_failure = self.fail
         print("[engine] ready", flush=True)
     # --8<-- [end:init]
 

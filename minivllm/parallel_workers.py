@@ -190,6 +190,9 @@ def worker_main(rank: int, size: int, init_method: str, device_type: str, parent
             dist.destroy_process_group()
 
 
+FAILURE_GRACE_S = 2.0   # after a worker dies: time for a server to send its clients the error
+
+
 # --8<-- [start:group]
 class ProcessGroup:
     """Rank 0's side of the group: the spawned workers, the watcher that ends everything when one
@@ -199,6 +202,7 @@ class ProcessGroup:
         if dist.is_initialized():
             raise ValueError("this process already belongs to a tensor-parallel group: close that engine's runner first")
         self.size, self.closing, self.procs = size, False, []
+        self.on_failure = None   # told why, before the process ends: the engine fails its requests
         if os.environ.get("WORLD_SIZE", "1") != "1":     # torchrun started every rank already
             if int(os.environ["WORLD_SIZE"]) != size or int(os.environ["RANK"]) != 0:
                 raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; the engine asks for {size}")
@@ -233,9 +237,13 @@ class ProcessGroup:
             return
         proc = next(p for p in self.procs if p.sentinel in ended)
         proc.join(1)
-        print(f"error: tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}; "
-              f"the group of {self.size} processes ends", file=sys.stderr, flush=True)
+        reason = (f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                  f"the group of {self.size} processes ends")
         self.closing = True
+        if self.on_failure:   # every stream in flight gets an error event, new requests a 503
+            self.on_failure(reason)
+            time.sleep(FAILURE_GRACE_S)
+        print(f"error: {reason}", file=sys.stderr, flush=True)
         self.stop_workers()
         os._exit(1)        # rank 0 cannot compute alone: the engine (and a server around it) ends now
 

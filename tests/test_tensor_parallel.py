@@ -171,6 +171,40 @@ def test_a_killed_worker_ends_the_server_and_leaves_nobody_behind(tiny_model_dir
             proc.wait()
 
 
+def test_a_dying_worker_ends_the_streams_with_an_error_and_refuses_new_requests(tiny_model_dir, tmp_path):
+    """Killed mid-stream, a worker takes the group down, but not silently: every stream in flight
+    gets an error event and [DONE], a request sent meanwhile a 503, then the server exits 1."""
+    port = launcher.free_port()
+    cmd = launcher.server_command(port, str(tiny_model_dir), SPEC, "cpu",
+                                  {"tensor_parallel_size": 2, "kv_memory": KV})
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert launcher.wait_until_healthy(url, proc, 60)
+        out.seek(0)
+        worker = int(re.search(r"worker pids \[(\d+)\]", out.read()).group(1))
+        body = {"prompt": "Tell me a long story.", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.Client(base_url=url, timeout=30) as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            os.kill(worker, signal.SIGKILL)   # mid-stream
+            late = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+        assert late.status_code == 503 and "unavailable" in late.json()["error"]["message"], late.text
+        assert proc.wait(timeout=20) == 1
+        assert wait_gone([proc.pid, worker]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_killed_rank_0_takes_its_workers_with_it(tiny_model_dir):
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(REPO_ROOT), model=str(tiny_model_dir))],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
