@@ -127,6 +127,7 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
                     pieces.append(self.output.accept(r, token, now))
                     if r.finish_reason:           # a stop, EOS or the budget can cut a run short
                         break
+                r.num_accepted += min(len(pieces), len(run) - 1)   # kept guesses the output took (Chapter 10)
                 r.num_computed = r.num_tokens - 1     # every token but the newest has its K/V now
                 generated += len(pieces)
                 events.append((r, join_pieces(pieces)))

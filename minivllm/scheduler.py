@@ -76,7 +76,8 @@ class Scheduler:
 
     # --8<-- [start:schedule]
     def schedule(self) -> ScheduledBatch:
-        """Decodes of running requests first, then prefill chunks, then new admissions."""
+        """Decodes of running requests first, then prefill chunks, then guesses to verify (Chapter
+        10) from what is left, then new admissions."""
         out = ScheduledBatch([], [], [], [])
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
@@ -86,12 +87,11 @@ class Scheduler:
                 break
             if r not in self.running:         # preempted a moment ago to make room for an older one
                 continue
-            pending = r.num_tokens - r.num_computed
-            n = min(pending + len(r.draft_ids), budget)   # a decode may bring guesses to verify (Chapter 10)
-            del r.draft_ids[max(0, n - pending):]         # ... and a short budget cuts those first
+            n = min(r.num_tokens - r.num_computed, budget)
             if not self._make_room(r, r.num_computed + n, out):
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
+        self._add_guesses(out)
         budget = self.max_num_batched_tokens - out.num_tokens
         # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow;
         # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
@@ -106,6 +106,37 @@ class Scheduler:
             budget -= n
         return out
     # --8<-- [end:schedule]
+
+    # --8<-- [start:guesses]
+    def _add_guesses(self, out: ScheduledBatch) -> None:
+        """Guesses are the first thing a step gives up: no decode token or prefill chunk waits for
+        one. What budget the step has left goes to the decodes' guesses one at a time, in turn, so
+        a tight budget spreads them; a guess never preempts anyone (no free slot, no guess)."""
+        granted = {id(r): 0 for r in out.requests}
+        spare = self.max_num_batched_tokens - out.num_tokens
+        wanting = [i for i, r in enumerate(out.requests) if r.draft_ids and out.lengths[i] == 1]
+        while spare and wanting:
+            for i in list(wanting):
+                r = out.requests[i]
+                if not spare or granted[id(r)] == len(r.draft_ids) or not self._slot_for_guess(r, out.lengths[i]):
+                    wanting.remove(i)
+                    continue
+                out.lengths[i] += 1
+                granted[id(r)] += 1
+                spare -= 1
+        for r in self.running:                # the guesses not granted are dropped, unverified
+            del r.draft_ids[granted.get(id(r), 0):]
+
+    def _slot_for_guess(self, r: Request, fed: int) -> bool:
+        """A KV slot for one more token of r (the guess after the `fed` it feeds), from free blocks only."""
+        if self.blocks.lengths[r.id] >= r.num_computed + fed + 1:
+            return True
+        try:
+            self.blocks.append_slot(r.id)
+            return True
+        except PoolFullError:
+            return False
+    # --8<-- [end:guesses]
 
     # --8<-- [start:admit]
     def admit(self, r: Request) -> int:

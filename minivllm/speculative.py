@@ -169,9 +169,11 @@ def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> 
                 if float(torch.rand((), generator=r.generator, device=p.device)) * q_guess < float(p[guess]):
                     token = guess                   # kept with probability min(1, p / q)
                 else:                               # rejected: draw from what p has beyond q
-                    residual = p - (q[j] if q is not None else torch.nn.functional.one_hot(
-                        torch.tensor(guess, device=p.device), p.numel()).to(p.dtype))
-                    token = int(torch.multinomial(residual.clamp(min=0), 1, generator=r.generator))
+                    residual = (p - (q[j] if q is not None else torch.nn.functional.one_hot(
+                        torch.tensor(guess, device=p.device), p.numel()).to(p.dtype))).clamp(min=0)
+                    if float(residual.sum()) <= 0:   # p <= q everywhere (rounding): nothing beyond q, draw from p
+                        residual = p
+                    token = int(torch.multinomial(residual, 1, generator=r.generator))
         out.append(token)
         if token != guess:
             break
@@ -221,8 +223,7 @@ class Speculator:
                 if r.logprobs is not None:   # one entry per kept token, from the model's own logits
                     r.logprobs.extend(sampling.token_logprobs(logits[i][:len(runs[i])], runs[i],
                                                               [r.params.logprobs] * len(runs[i])))
-                r.num_drafted += len(r.draft_ids)
-                r.num_accepted += len(runs[i]) - 1
+                r.num_drafted += len(r.draft_ids)   # accepted ones are counted as the output takes them
                 r.draft_ids = []
         return runs
 

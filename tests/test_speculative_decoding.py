@@ -246,3 +246,61 @@ def test_guesses_that_break_a_grammar_are_rejected(plain, ngram, draft, which):
         if params.is_greedy:
             assert a.output_ids == b.output_ids
     assert_idle(engine)
+
+
+def test_guesses_never_starve_a_batch_mate_of_its_decode_or_prefill():
+    """Two requests decode, each with 4 guesses; two are mid-prefill with 6 tokens to go. Decodes
+    and prefill chunks come first (with 8 tokens a step the old rule fed the decodes 5 and 3 and
+    no prefill at all); guesses get only what is left, spread in turn; the rest are dropped."""
+    from minivllm.block_manager import BlockManager
+    from minivllm.scheduler import Scheduler
+
+    def running(rid, prompt, computed, drafts=()):
+        r = decode_loop.Request(rid, list(range(prompt)), SamplingParams(), 50, detok=None, generator=None)
+        r.num_computed, r.draft_ids = computed, list(drafts)
+        return r
+
+    for budget, expect_guesses, last_chunk in ((8, [0, 0], 0), (14, [0, 0], 6), (18, [2, 2], 6), (19, [3, 2], 6)):
+        scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=budget)
+        rs = [running(0, 9, 8, [5, 6, 7, 8]), running(1, 9, 8, [5, 6, 7, 8]), running(2, 9, 3), running(3, 9, 3)]
+        for r in rs:
+            scheduler.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
+            scheduler.running.append(r)
+        out = scheduler.schedule()
+        fed = dict(zip((r.id for r in out.requests), out.lengths))
+        assert fed == {0: 1 + expect_guesses[0], 1: 1 + expect_guesses[1], 2: 6,
+                       **({3: last_chunk} if last_chunk else {})}, (budget, fed)
+        assert [len(r.draft_ids) for r in rs[:2]] == expect_guesses   # the rest were dropped
+
+
+@pytest.mark.parametrize("room,accepted", [(3, 3), (6, 5)])
+def test_accepted_tokens_count_only_guesses_that_reached_the_output(plain, room, accepted):
+    """A verification keeps 5 guesses and adds its own token. When the answer ends three tokens
+    in, the guesses after those three never reached the output and are not counted as accepted;
+    when all six are emitted, the five guesses are (the sixth is the model's own)."""
+    r = plain.new_request(PROMPTS[0], room, SamplingParams(ignore_eos=True))
+    r.num_drafted = 5
+    work = type("Work", (), {"requests": [r], "lengths": [1]})()
+    plain.scheduler.running.append(r)
+    plain.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
+    try:
+        plain.postprocess(work, [[11, 12, 13, 14, 15, 16]])
+    finally:
+        if r.id in plain.blocks.tables:
+            plain.blocks.free(r.id)
+        if r in plain.scheduler.running:
+            plain.scheduler.running.remove(r)
+    assert r.new_ids == [11, 12, 13, 14, 15, 16][:room] and r.finish_reason == "length"
+    assert r.num_accepted == accepted
+
+
+def test_a_rejection_with_nothing_left_beyond_the_draft_draws_from_the_model():
+    """p equal to q (or below it everywhere, by rounding) leaves a residual of zeros, which
+    torch.multinomial refuses; the token then comes from p itself."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    r = request(SamplingParams(temperature=1.0, seed=3), [2], generator=torch.Generator().manual_seed(3))
+    q = torch.softmax(logits, -1) * 2   # above p everywhere: a rejection leaves nothing beyond q
+    for _ in range(20):
+        r.draft_ids = [2]
+        token = spec.accept_guesses(logits, r, q)[0]
+        assert 0 <= token < 4
