@@ -75,14 +75,17 @@ class DraftModelProposer:
     """A smaller model guesses k tokens, one decode step each, on its own KV pool of blocks.
 
     It remembers how many of each request's tokens it holds K/V for; after a verification it
-    keeps only those the target kept, and catches up on the rest in its next first step.
+    keeps only those the target kept, and catches up on the rest before it guesses, at most
+    `chunk` tokens a step in all (the engine's step budget): a long new prompt is caught up over
+    several steps, in chunks, as the target prefills it, and guesses wait until it is done.
     """
 
-    def __init__(self, model, kv_memory: int, block_size: int):
+    def __init__(self, model, kv_memory: int, block_size: int, chunk: int = 256):
         pool = KVPool.from_memory(model.config, kv_memory, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, pool)
         self.blocks = BlockManager(pool.num_blocks, block_size)
         self.computed: dict[int, int] = {}     # request id -> tokens whose K/V the draft holds
+        self.chunk = chunk
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[torch.Tensor | None]:
         """Sets each request's draft_ids; returns per request the distributions q it drew them
@@ -91,13 +94,14 @@ class DraftModelProposer:
         live = [i for i, k in enumerate(ks) if k and self._room(requests[i], k)]
         for i in range(len(requests)):
             requests[i].draft_ids = []
+        live = self._catch_up(requests, live)
         for step in range(max((ks[i] for i in live), default=0)):
             live = [i for i in live if ks[i] > step]
             if not live:
                 break
             rs = [requests[i] for i in live]
             starts = [self.computed[r.id] for r in rs]
-            lengths = [r.num_tokens + len(r.draft_ids) - s for r, s in zip(rs, starts)]   # catch up, then 1
+            lengths = [r.num_tokens + len(r.draft_ids) - s for r, s in zip(rs, starts)]   # the newest, then a guess
             logits = self.runner.forward(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])
             logits = sampling.adjust_logits(logits, [r.params for r in rs], [r.history for r in rs])
             logits = constrain(logits, rs)           # a grammar's requests guess within it
@@ -117,6 +121,23 @@ class DraftModelProposer:
             if r.constraint is not None and r.draft_ids:
                 r.constraint.rollback(len(r.draft_ids))
         return [torch.stack(q) if q else None for q in qs]
+
+    def _catch_up(self, requests: list[Request], live: list[int]) -> list[int]:
+        """K/V for every known token but the newest, in one forward of at most `chunk` tokens;
+        returns the requests that are caught up (they guess this step), in order."""
+        budget, feed = self.chunk, []
+        for i in live:
+            r = requests[i]
+            n = min(r.num_tokens - 1 - self.computed[r.id], budget)
+            if n > 0:
+                feed.append((r, self.computed[r.id], n))
+                budget -= n
+        if feed:
+            rs, starts, lengths = map(list, zip(*feed))
+            self.runner.forward(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])   # logits unused
+            for r, start, n in feed:
+                self.computed[r.id] = start + n
+        return [i for i in live if self.computed[requests[i].id] == requests[i].num_tokens - 1]
 
     def _room(self, r: Request, k: int) -> bool:
         """Slots for everything the draft will feed; a full pool means no guesses this time."""
@@ -251,7 +272,7 @@ class SpeculativeDecoding:
         self.method, self.k, self.draft_model = method, num_speculative_tokens, draft_model
 
     def build(self, target: LlamaModel, folder: Path, kv_memory: int, block_size: int,
-              draft_features: Sequence = ()) -> Speculator:
+              draft_features: Sequence = (), max_num_batched_tokens: int = 256) -> Speculator:
         if self.method == "ngram":
             return Speculator(self.method, NgramProposer(), self.k)
         folder = Path(resolve_model(self.draft_model)) if self.draft_model else Path(folder)
@@ -261,5 +282,5 @@ class SpeculativeDecoding:
                              f"target's ({target.config.vocab_size}): it needs the same tokenizer")
         print(f"[engine] draft model: {folder.name} ({model.format_name or 'float'}), "
               f"{model.weight_bytes / 1e6:.0f} MB", flush=True)
-        return Speculator(self.method, DraftModelProposer(model, kv_memory, block_size), self.k)
+        return Speculator(self.method, DraftModelProposer(model, kv_memory, block_size, max_num_batched_tokens), self.k)
 # --8<-- [end:options]

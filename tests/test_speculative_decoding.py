@@ -304,3 +304,27 @@ def test_a_rejection_with_nothing_left_beyond_the_draft_draws_from_the_model():
         r.draft_ids = [2]
         token = spec.accept_guesses(logits, r, q)[0]
         assert 0 <= token < 4
+
+
+def test_the_draft_model_catches_up_in_chunks_under_the_step_budget(tiny_model_dir):
+    """A long prompt is prefilled by the target in chunks of the step budget; the draft model's
+    catch-up on it takes chunks of the same budget, never the whole prompt in one forward."""
+    long_prompt = " ".join(f"word{i}" for i in range(60))
+    fed, outputs = [], {}
+    for method in (None, "draft"):
+        engine = cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN,
+                                               block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+                                               speculative=method, num_speculative_tokens=4)
+        try:
+            if method:
+                runner = engine.speculator.proposer.runner
+                forward = runner.forward
+                runner.forward = lambda rs, starts, lengths, *rest: (fed.append(sum(lengths)),
+                                                                     forward(rs, starts, lengths, *rest))[1]
+            outputs[method] = [r.output_ids for r in engine.generate_batch([long_prompt, PROMPTS[1]], 12,
+                                                                           SamplingParams(ignore_eos=True))]
+        finally:
+            engine.close()
+    assert len(engine.tokenizer(long_prompt).input_ids) > 100
+    assert fed and max(fed) <= 32, fed
+    assert outputs["draft"] == outputs[None]
