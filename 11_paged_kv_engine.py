@@ -59,7 +59,7 @@ class PagedEngine(engine10.ModelEngine):
         """Chapter 6's loop; the cache is the pool, and blocks come and go with the tokens."""
         try:
             for r in requests:      # a prefix cache may already hold the first tokens' K/V (Chapter 8)
-                r.num_computed = self.blocks.allocate_prompt(r.id, r.prompt_ids)
+                r.num_computed = self.blocks.allocate_prompt(r.id, r.prompt_ids, r.params.cache_salt)
                 r.cached_tokens = r.num_computed if self.blocks.caches_prefixes else None
             live = list(requests)
             while live:

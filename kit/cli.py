@@ -135,7 +135,8 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
     g.add_argument("--quant-head", choices=QUANT_HEADS, default=None,
                    help="format of the embedding/LM head (default auto: the layers', int8 for int4)")
     g.add_argument("--prefix-caching", action="store_true", default=None,
-                   help="share the KV blocks of prompt prefixes seen before (Chapter 8)")
+                   help="share the KV blocks of prompt prefixes seen before (Chapter 8), among all clients "
+                        "unless their requests carry different cache_salt")
     g.add_argument("--kv-memory", type=byte_size, default=None,
                    help="KV pool size, e.g. 512MB; MB means MiB, 2**20 bytes (Chapter 7)")
     g.add_argument("--block-size", type=integer(1, MAX_BLOCK_SIZE), default=None, help="tokens per KV block (Chapter 7)")

@@ -191,6 +191,8 @@ class SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # vLLM's field: prefix-cache blocks are shared only among requests with the same salt (Chapter 8)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     def token_limit(self) -> tuple[int | None, str]:
         """The requested number of new tokens, and the field that asked for it."""
@@ -335,7 +337,7 @@ def sampling_params(req: SamplingFields, params_class: type):
     try:
         params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
-                              logit_bias=bias, logprobs=logprobs, structured=structured,
+                              logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=req.cache_salt,
                               **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
         if params.structured is not None:   # does it parse? asked now, whatever engine serves it
             StructuredOutput().check(params.structured)

@@ -46,9 +46,10 @@ class BlockManager:
         borrowed from another sequence) fit in the free blocks right now?"""
         return self.blocks_for(num_tokens) - shared <= self.num_free
 
-    def can_allocate_prompt(self, tokens: list[int]) -> bool:
+    def can_allocate_prompt(self, tokens: list[int], salt: str | None = None) -> bool:
         """can_allocate for a sequence whose tokens are known, as allocate_prompt would take it:
-        here all its blocks are new. Chapter 8's prefix cache counts the ones it already holds."""
+        here all its blocks are new. Chapter 8's prefix cache counts the ones it already holds
+        (for requests of the same `salt`)."""
         return self.can_allocate(len(tokens))
 
     def _known(self, seq_id: int) -> int:
@@ -83,7 +84,7 @@ class BlockManager:
         self.tables[seq_id], self.lengths[seq_id] = table, num_tokens
         return table
 
-    def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
+    def allocate_prompt(self, seq_id: int, tokens: list[int], salt: str | None = None) -> int:
         """Blocks for a new sequence's known tokens; returns how many of them already have their K/V:
         none here. Chapter 8's prefix cache finds a cached prefix and returns its length."""
         self.allocate(seq_id, len(tokens))

@@ -20,6 +20,7 @@ FinishReason = Literal["stop", "length"]
 # Every size a client controls is capped. Four stop strings is OpenAI's limit; the length
 # cap keeps the per-token check for "could this tail grow into a stop string?" cheap.
 MAX_STOP_STRINGS = 4
+MAX_CACHE_SALT_CHARS = 256
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
 # OpenAI's bounds for the logit adjustments and log-probabilities; vLLM's repetition_penalty
@@ -65,6 +66,9 @@ class SamplingParams:
     # {"json_object": True}, {"regex": str}, {"grammar": EBNF str} or {"choice": [str, ...]},
     # kept as the pair (kind, text) (choice: a tuple of str); None: free text
     structured: tuple[str, str | tuple[str, ...]] | None = None
+    # Chapter 8: a prefix cache shares a prompt's blocks only with requests of the same salt
+    # (vLLM's cache_salt): tenants that must not learn each other's prompts use different ones.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
@@ -96,6 +100,10 @@ class SamplingParams:
             raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters each, "
                              f"got one of {max(len(s) for s in self.stop)}")
         self._check_adjustments()
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
+                             f"got {self.cache_salt!r:.80}")
         if self.structured is not None:
             object.__setattr__(self, "structured", structured_spec(self.structured))
 

@@ -35,6 +35,12 @@ ROOT_HASH = 0   # the "parent" of a prompt's first block
 
 
 # --8<-- [start:hash]
+def root_hash(salt: str | None) -> int:
+    """The parent of a prompt's first block: one for every unsalted prompt, another per salt, so
+    equal text under different salts shares nothing (vLLM puts cache_salt in the first block's hash)."""
+    return ROOT_HASH if salt is None else hash(("cache_salt", salt))
+
+
 def block_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     """One number for a whole prefix: the parent's hash already stands for every earlier token.
 
@@ -54,6 +60,7 @@ class CachedBlock:
     tokens: tuple[int, ...]
     parent: int     # serial of the previous block's content (0: the block starts the prompt)
     serial: int
+    root: int       # the prompt's root hash: its salt, checked too, so a collision never crosses salts
 # --8<-- [end:hash]
 
 
@@ -67,6 +74,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.content: dict[int, CachedBlock] = {}          # block -> what it holds (cached blocks only)
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.chains: dict[int, tuple[int, int, int]] = {}  # seq -> (blocks cached, last hash, last serial)
+        self.roots: dict[int, int] = {}                    # seq -> its prompt's root hash (its salt)
         self._serials = itertools.count(1)
         self.prompt_tokens = self.hit_tokens = 0           # for the hit rate
         self.enabled = True   # off: Chapter 7's answers (for comparisons); what is cached stays cached
@@ -92,16 +100,16 @@ class PrefixCachingBlockManager(BlockManager):
         if self.by_hash.get(c.hash) == block:
             del self.by_hash[c.hash]
 
-    def match(self, tokens: list[int]) -> tuple[list[int], int, int]:
+    def match(self, tokens: list[int], root: int = ROOT_HASH) -> tuple[list[int], int, int]:
         """The longest run of leading full blocks already cached: (blocks, last hash, last serial).
 
         Never the whole prompt: the block holding its last token is left to compute."""
-        bs, found, h, serial = self.block_size, [], ROOT_HASH, 0
+        bs, found, h, serial = self.block_size, [], root, 0
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             block = self.by_hash.get(block_hash(h, chunk))
             c = self.content.get(block)
-            if c is None or c.tokens != chunk or c.parent != serial:   # a miss, or a collision
+            if c is None or c.tokens != chunk or c.parent != serial or c.root != root:   # a miss, or a collision
                 break
             found.append(block)
             h, serial = c.hash, c.serial
@@ -113,23 +121,24 @@ class PrefixCachingBlockManager(BlockManager):
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         return self.blocks_for(num_tokens) - len(hits), self.num_free - revived
 
-    def can_allocate_prompt(self, tokens: list[int]) -> bool:
+    def can_allocate_prompt(self, tokens: list[int], salt: str | None = None) -> bool:
         """Would allocate_prompt succeed now? A prompt whose prefix is cached needs blocks only for the rest."""
         if not self.enabled:
             return super().can_allocate_prompt(tokens)
-        need, room = self._need_and_room(self.match(tokens)[0], len(tokens))
+        need, room = self._need_and_room(self.match(tokens, root_hash(salt))[0], len(tokens))
         return need <= room
 
-    def allocate_prompt(self, seq_id: int, tokens: list[int]) -> int:
-        """allocate() for a sequence whose tokens are known: share its cached prefix, take new
-        blocks for the rest. Returns how many tokens already have their K/V in the pool."""
+    def allocate_prompt(self, seq_id: int, tokens: list[int], salt: str | None = None) -> int:
+        """allocate() for a sequence whose tokens are known: share its cached prefix (cached under
+        the same salt), take new blocks for the rest. Returns how many tokens already have their K/V."""
         if not self.enabled:
             return super().allocate_prompt(seq_id, tokens)
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not tokens:
             raise ValueError("cannot allocate a sequence of 0 tokens")
-        hits, h, serial = self.match(tokens)
+        root = root_hash(salt)
+        hits, h, serial = self.match(tokens, root)
         need, room = self._need_and_room(hits, len(tokens))
         if need > room:
             raise PoolFullError(f"{need} blocks needed, {room} free of {self.num_blocks}")
@@ -139,6 +148,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.tables[seq_id] = hits + [self._take() for _ in range(need)]
         self.lengths[seq_id] = len(tokens)
         self.chains[seq_id] = (len(hits), h, serial)
+        self.roots[seq_id] = root
         cached = len(hits) * self.block_size
         self.prompt_tokens, self.hit_tokens = self.prompt_tokens + len(tokens), self.hit_tokens + cached
         return cached
@@ -152,16 +162,17 @@ class PrefixCachingBlockManager(BlockManager):
             raise ValueError(f"sequence {seq_id} has no blocks (never allocated, or freed already)")
         if len(tokens) > self.lengths[seq_id]:
             raise ValueError(f"sequence {seq_id} holds slots for {self.lengths[seq_id]} tokens, not {len(tokens)}")
-        done, h, serial = self.chains.get(seq_id, (0, ROOT_HASH, 0))
+        root = self.roots.get(seq_id, ROOT_HASH)
+        done, h, serial = self.chains.get(seq_id, (0, root, 0))
         table, bs = self.tables[seq_id], self.block_size
         for i in range(done, len(tokens) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(h, chunk)
             known = self.content.get(self.by_hash.get(h))
             if known is None:                           # new content: this block holds it from now on
-                known = self.content[table[i]] = CachedBlock(h, chunk, serial, next(self._serials))
+                known = self.content[table[i]] = CachedBlock(h, chunk, serial, next(self._serials), root)
                 self.by_hash[h] = table[i]
-            elif known.tokens != chunk or known.parent != serial:
+            elif known.tokens != chunk or known.parent != serial or known.root != root:
                 self.chains[seq_id] = (sys.maxsize, h, serial)   # a collision: cache no more of it
                 return
             serial, done = known.serial, i + 1   # (a duplicate of a cached block: later ones link to that)
@@ -176,6 +187,7 @@ class PrefixCachingBlockManager(BlockManager):
             self._release(block)
         del self.lengths[seq_id]
         self.chains.pop(seq_id, None)
+        self.roots.pop(seq_id, None)
 
     def _release(self, block: int) -> None:
         """One owner fewer; a cached block nobody owns keeps its K/V, evictable."""

@@ -96,7 +96,8 @@ class Scheduler:
         # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow;
         # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
-               and self.blocks.can_allocate_prompt(self.waiting[0].tokens(0, self.waiting[0].num_tokens))):
+               and self.blocks.can_allocate_prompt(self.waiting[0].tokens(0, self.waiting[0].num_tokens),
+                                                   self.waiting[0].params.cache_salt)):
             r = self.waiting.popleft()
             r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
             r.admitted = r.admitted or time.perf_counter()
@@ -143,7 +144,7 @@ class Scheduler:
         """Blocks for all of r's known tokens; returns how many of them already have their K/V.
         Chapter 7's block manager has none to offer; Chapter 8's prefix cache shares a cached prefix
         (a preempted request re-matches what it computed before, if it is still cached)."""
-        cached = self.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
+        cached = self.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens), r.params.cache_salt)
         if r.admitted is None and self.blocks.caches_prefixes:
             r.cached_tokens = cached
         return cached

@@ -443,3 +443,18 @@ def test_demo_measures_hits_and_shared_blocks_and_keeps_outputs(tiny_model_dir, 
     assert f"{without - shared} saved" in capsys.readouterr().out
     demo.plot(qa, chat, str(tmp_path / "ch8.png"))
     assert (tmp_path / "ch8.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_salt_keeps_equal_prompts_apart():
+    """vLLM's cache_salt: the salt enters the first block's hash, so the same text under another
+    salt finds nothing, and under the same salt finds everything but the last block."""
+    from minivllm.prefix_cache import PrefixCachingBlockManager
+
+    m = PrefixCachingBlockManager(32, 4)
+    tokens = list(range(13))
+    assert m.allocate_prompt(0, tokens, salt="tenant A") == 0
+    m.cache_computed(0, tokens)
+    assert m.allocate_prompt(1, tokens, salt="tenant B") == 0       # other tenant: nothing shared
+    assert m.allocate_prompt(2, tokens) == 0                         # no salt is a tenant of its own
+    assert m.allocate_prompt(3, tokens, salt="tenant A") == 12       # same tenant: 3 full blocks
+    assert m.can_allocate_prompt(tokens, "tenant A") and m.match(tokens)[0] == []

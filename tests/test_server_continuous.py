@@ -301,3 +301,26 @@ def test_without_max_tokens_a_small_pool_still_answers_a_short_prompt(tiny_model
         assert 0 < r.json()["usage"]["completion_tokens"] <= capacity - r.json()["usage"]["prompt_tokens"]
     finally:
         engine.close()
+
+
+def test_cache_salt_keeps_one_clients_prompt_out_of_anothers_cached_tokens(tiny_model_dir):
+    """Without a shared salt, cached_tokens cannot tell client B what client A sent."""
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=16,
+                                         prefix_caching=True)
+    memo = "The meeting moved to Thursday at 3 pm in room 4B; bring the signed budget forms. " * 3
+    try:
+        with TestClient(server.make_app(engine)) as client:
+            def cached(salt):
+                body = {"prompt": memo, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+            assert cached("tenant-a") == 0
+            assert cached("tenant-b") == 0 and cached(None) == 0     # another salt, or none: nothing shared
+            assert cached("tenant-a") > 0                             # the same salt: A's blocks again
+            for bad in (12345, "", "x" * 257):
+                r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    finally:
+        engine.close()
