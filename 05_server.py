@@ -88,7 +88,7 @@ class OpenAIServer:
     async def chat_completions(self, req: ChatRequest, request: Request):
         api.check_request(req, self.model_name)
         messages = api.chat_messages(req.messages)
-        params = api.sampling_params(req, SamplingParams)
+        params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
         tools = params.structured is not None and params.structured[0] == "structural_tag"   # Chapter 11
         if tools:   # the model learns the functions from its system message
             messages = structured_api.with_tools(messages, req.tools)
@@ -118,7 +118,7 @@ class OpenAIServer:
         api.check_request(req, self.model_name)
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt", param="prompt")
-        params = api.sampling_params(req, SamplingParams)
+        params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
         for prompt in prompts:
             self.check_size([prompt], "prompt")
         jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params)

@@ -313,7 +313,7 @@ def unreadable(exc: StarletteHTTPException) -> str | None:
     return None
 
 
-def sampling_params(req: SamplingFields, params_class: type):
+def sampling_params(req: SamplingFields, params_class: type, cache_salt=lambda salt: salt):
     """The request's sampling fields as the engine's SamplingParams (03_contracts, passed in by the server:
     this package imports no chapter script)."""
     if isinstance(req, ChatRequest):
@@ -337,7 +337,7 @@ def sampling_params(req: SamplingFields, params_class: type):
     try:
         params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
-                              logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=req.cache_salt,
+                              logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=cache_salt(req.cache_salt),
                               **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
         if params.structured is not None:   # does it parse? asked now, whatever engine serves it
             StructuredOutput().check(params.structured)

@@ -78,6 +78,7 @@ class RequestRecord:
     accepted_tokens: int = 0
     pieces: int = 0              # text pieces streamed so far (about one token each)
     ttft_s: float | None = None
+    tenant: str | None = None    # which API key sent it (keys are tenants: their prefix caches are apart)
     queue_s: float | None = None
     last_event: float | None = None
     error: str | None = None
@@ -125,6 +126,16 @@ def answered(results: list) -> None:
     ttfts = [r.metrics.ttft_ms for r in results]
     if rec.ttft_s is None and ttfts and None not in ttfts:   # the engine's, after the wait for its turn
         rec.ttft_s = (rec.queue_s or 0.0) + min(ttfts) / 1000
+
+
+def tenant_salt(cache_salt: str | None) -> str | None:
+    """The prefix-cache salt for this request: its API key's tenant, with the client's own
+    cache_salt inside it, so no key's requests ever share cached blocks with another key's."""
+    rec = _current.get()
+    tenant = rec.tenant if rec is not None else None
+    if tenant is None:
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
 
 
 def failed(message: str, status: int) -> None:
@@ -274,8 +285,8 @@ class AdmissionQueue:
 @dataclass
 class ServerOps:
     """The production settings; `install` wires them into an app."""
-    api_key: str | None = None
-    metrics_key: str | None = None   # /metrics and /engine/stats; None: the api_key guards them
+    api_key: str | tuple[str, ...] | None = None   # one key, or several: each key is a tenant
+    metrics_key: str | None = None   # /metrics and /engine/stats; None: the api_keys guard them
     allowed_hosts: tuple[str, ...] | None = None   # Host header names served; None: any
     max_waiting: int | None = None
     request_timeout: float | None = None
@@ -284,6 +295,11 @@ class ServerOps:
     retry_after_s: int = 1
 
     def __post_init__(self):
+        keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
+        if len(keys) > MAX_API_KEYS or any(not k or not k.isprintable() or " " in k for k in keys) \
+                or len(set(keys)) != len(keys):
+            raise ValueError(f"API keys must be distinct printable words without spaces, at most {MAX_API_KEYS}")
+        self.api_keys = keys
         for name in ("max_waiting", "request_timeout", "shutdown_grace", "body_timeout"):
             value = getattr(self, name)
             if value is not None and not (0 <= value < float("inf")):
@@ -297,7 +313,11 @@ class ServerOps:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOps":
-        return cls(api_key=args.api_key or None, metrics_key=args.metrics_key or None,
+        keys = list(args.api_key or ([os.environ["ENGINE_API_KEY"]] if os.environ.get("ENGINE_API_KEY") else []))
+        if getattr(args, "api_keys_file", None):
+            keys += [line.strip() for line in open(args.api_keys_file, encoding="utf-8")
+                     if line.strip() and not line.lstrip().startswith("#")]
+        return cls(api_key=tuple(keys) or None, metrics_key=args.metrics_key or None,
                    allowed_hosts=served_hosts(args.host, args.allowed_hosts), max_waiting=args.max_waiting,
                    request_timeout=args.request_timeout, body_timeout=args.body_timeout,
                    shutdown_grace=args.shutdown_grace)
@@ -402,17 +422,26 @@ class ServerOps:
         if rec.cancel is not None:
             rec.cancel.cancel()
 
-    def authorized(self, headers: dict[bytes, bytes], path: str) -> bool:
-        """The key this path needs, if any: the API key for /v1/*; the metrics key (or else the API
-        key) for /metrics, /engine/stats and /engine/scheduler, which tell how busy the server is and what it runs."""
-        key = self.api_key if path.startswith("/v1/") else \
-            (self.metrics_key or self.api_key) if path in ("/metrics", "/engine/stats", "/engine/scheduler") else None
-        if not key:
+    def authorized(self, headers: dict[bytes, bytes], path: str) -> bool | str:
+        """The keys this path takes, if any: the API keys for /v1/*; the metrics key (or else the API
+        keys) for /metrics, /engine/stats and /engine/scheduler, which tell how busy the server is
+        and what it runs. True where no key is needed; else the tenant of the key given
+        ("key-2" for the third --api-key), or False."""
+        if path.startswith("/v1/"):
+            keys = self.api_keys
+        elif path in ("/metrics", "/engine/stats", "/engine/scheduler"):
+            keys = (self.metrics_key,) if self.metrics_key else self.api_keys
+        else:
+            keys = ()
+        if not keys:
             return True
         scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
         # The scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"). Constant time: how
-        # long a wrong key takes must not tell how much of it was right.
-        return hmac.compare_digest(given.strip(), key.encode()) and scheme.lower() == b"bearer"
+        # long a wrong key takes must not tell how much of it was right, nor which key it was near.
+        matches = [hmac.compare_digest(given.strip(), key.encode()) for key in keys]
+        if scheme.lower() != b"bearer" or not any(matches):
+            return False
+        return f"key-{matches.index(True)}" if keys is self.api_keys else True
 
     def host_allowed(self, headers: dict[bytes, bytes]) -> bool:
         """Against DNS rebinding: a web page whose name an attacker points at 127.0.0.1 reaches a
@@ -469,7 +498,7 @@ class _OpsMiddleware:
         if not ops.host_allowed(headers):
             refusal = JSONResponse(ops.api_error(400, "this server does not answer to that Host name; "
                                                       "start it with --allowed-hosts to add one").body(), 400)
-        elif not ops.authorized(headers, path):
+        elif not (allowed := ops.authorized(headers, path)):
             body = ops.api_error(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                                  type_="invalid_request_error").body()
             body["error"]["code"] = "invalid_api_key"
@@ -478,6 +507,7 @@ class _OpsMiddleware:
             await refusal(scope, receive, send)
             rec.status = refusal.status_code
             return self._finish(rec)
+        rec.tenant = allowed if isinstance(allowed, str) else None
         rec.send = send
         if ops.shutting_down and path in GENERATION_ROUTES:
             await ops._end(rec, 503, "the server is shutting down")
@@ -540,12 +570,17 @@ class _OpsMiddleware:
 
 
 MAX_TIMEOUT_S = 24 * 3600   # every number bounded: a day is longer than any request here
+MAX_API_KEYS = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
+    parser.add_argument("--api-key", action="append", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and, unless --metrics-key is given, "
-                             "on /metrics and /engine/stats (default: $ENGINE_API_KEY)")
+                             "on /metrics and /engine/stats (default: $ENGINE_API_KEY). Repeat it for several "
+                             "keys: each key is a tenant, whose requests never share prefix-cache blocks with "
+                             "another key's")
+    parser.add_argument("--api-keys-file", default=None, metavar="FILE",
+                        help="more API keys, one per line (# starts a comment): one tenant each")
     parser.add_argument("--metrics-key", default=os.environ.get("ENGINE_METRICS_KEY"),
                         help="the key for /metrics and /engine/stats, e.g. Prometheus' (default: $ENGINE_METRICS_KEY, "
                              "else --api-key; without either they are open)")

@@ -318,3 +318,42 @@ def test_only_the_bound_host_names_are_answered(tiny_engine):
     with TestClient(server.make_app(tiny_engine, ops=ops)) as c:
         assert c.get("/health", headers={"Host": "llm.lan:80"}).status_code == 200
         assert c.get("/health", headers={"Host": "localhost"}).status_code == 400
+
+
+def test_each_api_key_is_a_tenant_with_a_prefix_cache_of_its_own(tiny_model_dir, tmp_path):
+    """Two keys, one server with prefix caching: B's exact copy of A's prompt gets cached_tokens 0
+    (and no faster first token), A's own repeat gets its blocks back. A key file adds keys."""
+    cb = load_script("13_continuous_batching_engine")
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=16,
+                                         prefix_caching=True)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the class\nkey-for-bob\n\n")
+    parser = __import__("argparse").ArgumentParser()
+    ops_lib.add_arguments(parser)
+    args = parser.parse_args(["--api-key", "key-for-alice", "--api-keys-file", str(keys)])
+    args.host, args.allowed_hosts = "127.0.0.1", "*"   # TestClient says Host: testserver
+    ops = ops_lib.ServerOps.from_args(args)
+    assert ops.api_keys == ("key-for-alice", "key-for-bob")
+    memo = "Alice's memo: the merger closes on Friday at a price of 41 dollars a share, keep it quiet. " * 2
+    try:
+        with TestClient(server.make_app(engine, ops=ops)) as client:
+            def cached(key, **extra):
+                r = client.post("/v1/completions", json={"prompt": memo, "max_tokens": 1, **extra},
+                                headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+            assert cached("key-for-alice") == 0
+            assert cached("key-for-bob") == 0                          # another tenant: nothing to learn
+            assert cached("key-for-bob", cache_salt="x") == 0          # nor with a salt of its own choosing
+            assert cached("key-for-alice") > 0                         # the same tenant: its blocks again
+            assert client.post("/v1/completions", json={"prompt": "hi"},
+                               headers={"Authorization": "Bearer key-for-eve"}).status_code == 401
+    finally:
+        engine.close()
+
+
+def test_api_keys_are_checked_when_the_server_starts():
+    for bad in (("a", "a"), ("with space",), ("",)):
+        with pytest.raises(ValueError, match="API keys"):
+            ops_lib.ServerOps(api_key=bad)
