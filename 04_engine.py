@@ -130,7 +130,8 @@ class BaselineEngine(BaseOfflineEngine):
                 output_tokens=len(new_ids),
             ),
             finish_reason="stop" if (detok.stopped or ended_on_eos) else "length",
-            logprobs=None if logprobs is None else list(logprobs[: len(new_ids)]),
+            logprobs=None if logprobs is None else   # those of the text returned, not of a stop string's tokens
+            list(logprobs[: detok.tokens_in_text if detok.stopped else len(new_ids)]),
         )
     # --8<-- [end:finish]
 

@@ -105,6 +105,12 @@ def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 # --8<-- [end:constrain]
 
 
+def logprob_tokens(r: Request) -> int:
+    """How many tokens' log-probabilities go out: those of the text returned, so a stop string's
+    own tokens (kept in new_ids) are not listed after the text that ends before them."""
+    return r.detok.tokens_in_text if r.detok.stopped else len(r.new_ids)
+
+
 # --8<-- [start:output-processor]
 class OutputProcessor:
     """Token ids in, text and results out, the same for every engine from here on: it builds
@@ -148,7 +154,7 @@ class OutputProcessor:
         elif len(r.new_ids) >= r.budget:
             r.finish_reason = "length"
         piece = piece + r.detok.flush() if r.finish_reason else piece
-        piece, r.logprobs_sent = attach_logprobs(piece, r.logprobs, r.logprobs_sent, len(r.new_ids))
+        piece, r.logprobs_sent = attach_logprobs(piece, r.logprobs, r.logprobs_sent, logprob_tokens(r))
         return piece
     # --8<-- [end:accept]
 
@@ -165,5 +171,5 @@ class OutputProcessor:
             **({"draft_tokens": r.num_drafted, "accepted_tokens": r.num_accepted} if r.num_drafted else {}))
         return GenerateResult(text=r.detok.text, output_ids=list(r.new_ids), metrics=metrics,
                               finish_reason=r.finish_reason or "length",
-                              logprobs=None if r.logprobs is None else list(r.logprobs[:n]))
+                              logprobs=None if r.logprobs is None else list(r.logprobs[:logprob_tokens(r)]))
     # --8<-- [end:metrics]

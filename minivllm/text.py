@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self.text = ""          # all text so far (cut at the stop string once one is seen)
         self.released = 0       # how many characters of self.text were handed out
         self.stopped = False    # a stop string was found
+        self.tokens_in_text = 0  # once stopped: the tokens that spell the text kept (the rest spell the stop)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text that became safe to show."""
@@ -39,6 +40,8 @@ class IncrementalDetokenizer:
         hits = [self.text.find(s) for s in self.stop if s in self.text]
         if hits:
             self.text, self.stopped = self.text[: min(hits)], True
+            self.tokens_in_text = next((m for m in range(len(self.ids) + 1) if len(self.tokenizer.decode(
+                self.ids[:m], skip_special_tokens=True)) >= len(self.text)), len(self.ids))
             return self._release(len(self.text))
         # Hold back a tail that could still grow into a stop string.
         hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)

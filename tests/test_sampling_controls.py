@@ -213,3 +213,29 @@ def test_engines_on_our_own_model_honour_every_control(spec, tiny_model_dir, tin
                                                  for p in reference_prompts[:3]]
     finally:
         getattr(engine, "close", lambda: None)()
+
+
+@pytest.mark.parametrize("engine_name", ["baseline", "decode_loop", "batching"])
+def test_logprobs_end_where_the_text_ends_at_a_stop_string(tiny_model_dir, engine_name):
+    """The stop string's own tokens stay in output_ids (they were generated) but not in logprobs,
+    which describe the text returned: no entry past its end."""
+    from conftest import load_script
+
+    if engine_name == "baseline":
+        engine = load_script("04_engine").BaselineEngine(str(tiny_model_dir), device="cpu")
+    elif engine_name == "decode_loop":
+        engine = load_script("07_decode_loop").DecodeLoopEngine(str(tiny_model_dir), device="cpu")
+    else:
+        engine = load_script("13_continuous_batching_engine").ContinuousBatchingEngine(
+            str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
+    try:
+        free = engine.generate("Count: 1, 2, 3,", 24, SamplingParams(ignore_eos=True))
+        stop = engine.tokenizer.decode(free.output_ids[8:11])
+        assert stop.strip(), "the test needs a stop string with text in it"
+        cut = engine.generate("Count: 1, 2, 3,", 24, SamplingParams(ignore_eos=True, stop=[stop], logprobs=1))
+        spelled = engine.tokenizer.decode(cut.output_ids[:len(cut.logprobs)], skip_special_tokens=True)
+        assert spelled.startswith(cut.text) and len(cut.logprobs) < len(cut.output_ids)
+        shorter = engine.tokenizer.decode(cut.output_ids[:len(cut.logprobs) - 1], skip_special_tokens=True)
+        assert len(shorter) < len(cut.text)     # one entry fewer would not cover the text
+    finally:
+        getattr(engine, "close", lambda: None)()
