@@ -33,6 +33,7 @@ import hmac
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -607,7 +608,16 @@ def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     class Server(uvicorn.Server):
+        signals = 0
+
         def handle_exit(self, sig, frame) -> None:
+            Server.signals += 1
+            if Server.signals > 1:   # a second signal: the operator will not wait for the drain
+                # Now, and without the interpreter's teardown, which would destroy threads still
+                # inside torch (a C++ abort, "terminate called without an active exception").
+                print("[server] second signal: exiting now; requests still running are cut off",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
             if not ops.shutting_down:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(ops.shutdown()))
             super().handle_exit(sig, frame)
