@@ -443,3 +443,12 @@ def test_demo_measures_hits_and_shared_blocks_and_keeps_outputs(tiny_model_dir, 
     assert f"{without - shared} saved" in capsys.readouterr().out
     demo.plot(qa, chat, str(tmp_path / "ch8.png"))
     assert (tmp_path / "ch8.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_ttft_summary_names_the_reference_of_each_ratio():
+    demo = load_script("12_prefix_cache_demo")
+    against_first, against_off = demo.ttft_lines(1450.0, 139.0, 1357.0, 16)
+    assert "request 1 (nothing cached yet) 1450 ms; requests 2-16 139 ms on average, 0.10x request 1's" in against_first
+    assert against_off.endswith("139 ms with the cache, 1357 ms without it (0.10x)")
+    with pytest.raises(ValueError):
+        demo.ttft_lines(0.0, 139.0, 1357.0, 16)
