@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from kit import bench, cli, workloads
+from minivllm.threads import thread_count
 
 engine04 = importlib.import_module("04_engine")
 offline = importlib.import_module("06_benchmark_offline")
@@ -139,8 +140,8 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     tokenizer = next(iter(engines.values())).tokenizer
     items = traffic(tokenizer, args.requests, not args.no_system)
-    print(f"[settings] {len(engines)} engines, {args.rounds} alternating round(s), {torch.get_num_threads()} "
-          f"CPU thread(s); every engine: {next(iter(engines.values())).features()}")
+    print(f"[settings] {len(engines)} engines, {args.rounds} alternating round(s), "
+          f"{thread_count()}; every engine: {next(iter(engines.values())).features()}")
     result = run_settings(engines, items, args.rounds)
     for engine in engines.values():
         engine.close()
