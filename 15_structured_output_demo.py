@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=cli.integer(0, 16), default=2, help="seeded samples per task, beside greedy")
     parser.add_argument("--rounds", type=cli.integer(1, 10), default=4, help="alternating rounds of the speed test")
     parser.add_argument("--small", action="store_true", help="a quick look: one seed, batch 1 only")
-    parser.add_argument("--plot", type=cli.output_file(".png", ".svg"), default=None, metavar="FILE")
+    parser.add_argument("--plot", type=cli.plot_file(), default=None, metavar="FILE")
     args = parser.parse_args()
     engine = cb.ContinuousBatchingEngine(args.model, device=args.device)
     tasks = load_tasks()
