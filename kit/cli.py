@@ -72,9 +72,8 @@ def plot_file():
     check = output_file(*PLOT_SUFFIXES)
 
     def parse(text: str) -> str:
-        if text and Path(text).name == text:
-            text = str(Path(PLOTS_DIR) / text)
-        return check(text)
+        check(text)                        # refused in the words the reader typed
+        return check(str(Path(PLOTS_DIR) / text)) if Path(text).name == text else text
     return parse
 
 
