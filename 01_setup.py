@@ -95,10 +95,10 @@ def run_checks(fetch_model: bool = True) -> list[tuple[bool, str, str]]:
             checks.append((False, f"{dist} missing (need >= {minimum})",
                            f"pip install '{dist}>={minimum}'  (or: make install)"))
     try:
-        import torch
+        from minivllm.threads import thread_count   # imports torch: inside the check, like torch itself
 
         device = pick_device()
-        checks.append((True, f"torch device: {device.type}, {torch.get_num_threads()} CPU threads", ""))
+        checks.append((True, f"torch device: {device.type}, {thread_count()}", ""))
     except Exception as exc:  # a broken torch install is exactly what this script is for
         checks.append((False, f"torch does not import: {exc}", "make install"))
     flags = cpu_flags()

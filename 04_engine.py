@@ -263,22 +263,64 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
 
 
 # --8<-- [start:main]
+# The unit of each number RequestMetrics can carry: a bare "3.2" could be seconds or tokens/s.
+METRIC_UNITS = {"throughput": "tokens/s", "input_tokens": "tokens", "output_tokens": "tokens",
+                "ttft_ms": "ms", "tpot_ms": "ms", "queue_ms": "ms", "cached_tokens": "tokens",
+                "draft_tokens": "tokens", "accepted_tokens": "tokens"}
+
+
+def metric_lines(metrics) -> list[str]:
+    """One '  name  value unit' line per measured metric (what was not measured is left out)."""
+    lines = []
+    for name, value in metrics.as_dict().items():
+        if name not in METRIC_UNITS:
+            raise ValueError(f"metric {name!r} has no unit: add it to METRIC_UNITS")
+        shown = f"{value:.1f}" if isinstance(value, float) else str(value)
+        lines.append(f"  {name:<15} {shown} {METRIC_UNITS[name]}")
+    return lines
+
+
+def print_streamed(pieces, indent: str = "  ") -> object:
+    """Print text pieces as they arrive, indented like the other blocks, and return what followed
+    them (the GenerateResult). Leading and trailing whitespace is held back, as strip() would:
+    trailing spaces are printed only once more text follows them."""
+    pending, started, result = "", False, None
+    print(indent, end="", flush=True)
+    for piece in pieces:
+        if not isinstance(piece, str):
+            result = piece
+            continue
+        text = pending + piece
+        if not started:
+            text = text.lstrip()
+        body = text.rstrip()
+        pending = text[len(body):]
+        if body:
+            started = True
+            print(body.replace("\n", "\n" + indent), end="", flush=True)
+    print()
+    return result
+
+
 def demo(engine_class: type[BaseOfflineEngine], args: argparse.Namespace, **engine_kwargs):
-    """Build the engine, send one request, print [Prompt], [Output] and [Metrics].
-    engine_kwargs: the engine's own features (later chapters' flags)."""
+    """Build the engine, send one request, print [Prompt], [Output] (streamed as it is generated,
+    where the engine can stream) and [Metrics]. engine_kwargs: the engine's own features."""
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = engine_class(args.model, device=args.device, dtype=DTYPES[args.dtype], **engine_kwargs)
         prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
-        result = engine.generate(prompt, args.max_new_tokens, params)
+        print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
+        print("\n[Output]")
+        if hasattr(engine, "generate_stream"):   # a reader sees the answer grow, not a silent wait
+            result = print_streamed(engine.generate_stream(prompt, args.max_new_tokens, params))
+        else:
+            result = engine.generate(prompt, args.max_new_tokens, params)
+            print(f"  {result.text.strip()}")
     except (ValueError, OSError) as exc:  # bad flags or a model that cannot be found: say so, no traceback
         raise SystemExit(f"error: {exc}") from None
 
-    print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
-    print(f"\n[Output]\n  {result.text.strip()}")
     print("\n[Metrics]")
-    for name, value in result.metrics.as_dict().items():
-        print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
+    print("\n".join(metric_lines(result.metrics)))
     print(f"  {'finish_reason':<15} {result.finish_reason}")
     return engine, prompt, params
 # --8<-- [end:main]

@@ -39,14 +39,11 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from tqdm import tqdm
-
-from kit import bench, cli, peers
+from kit import bench, cli, peers, progress
 from kit.bench import RequestRecord
 from kit.workloads import WorkItem, load_prompts, mixed_workload
 
@@ -60,44 +57,49 @@ def prompt_text(engine, prompt: dict) -> str:
     return prompt["text"] if "text" in prompt else engine_mod.render_chat(engine.tokenizer, prompt["messages"])
 
 
-def record_of(result, latency_s: float) -> RequestRecord:
+def record_of(result, latency_s: float, queued_s: float = 0.0) -> RequestRecord:
+    """latency_s runs from the request's submission; queued_s of it passed before the engine
+    started on it. The engine times its TTFT from when it started, so the queue is added to it."""
     m = result.metrics
-    return RequestRecord(latency_s * 1000, m.input_tokens, m.output_tokens, m.ttft_ms, m.tpot_ms)
+    ttft_ms = None if m.ttft_ms is None else m.ttft_ms + queued_s * 1000
+    return RequestRecord(latency_s * 1000, m.input_tokens, m.output_tokens, ttft_ms, m.tpot_ms)
 
 
 # --8<-- [start:measured-loop]
 def run_sequential(engine, items: list[WorkItem], params, bar) -> tuple[list, float]:
-    """One request at a time, as a single user would send them. Returns records and total seconds."""
-    records, total_s = [], 0.0
+    """Every request submitted at once, served one at a time. Returns records and total seconds.
+
+    The clock starts when the workload is handed over, as it does for an engine that takes all
+    the requests at once: request k's latency includes the k-1 requests it queued behind."""
+    records, t0 = [], time.perf_counter()
     for item in items:
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         result = engine.generate(item.prompt, item.max_new_tokens, params)
-        elapsed = time.perf_counter() - t0
-        records.append(record_of(result, elapsed))
-        total_s += elapsed
+        records.append(record_of(result, time.perf_counter() - t0, queued_s=started - t0))
         bar.update(1)
-    return records, total_s
+    return records, time.perf_counter() - t0
 
 
 def run_batched(engine, items: list[WorkItem], params, bar, batch_size: int | None) -> tuple[list, float]:
     """generate_batch over chunks; every request in a chunk finishes when the chunk does.
 
     A static batch has one budget, its largest request's. A request counts only the tokens
-    its own budget allows: the rest is work it never asked for, paid for in everyone's wait."""
-    records, total_s, size = [], 0.0, batch_size or len(items)
+    its own budget allows: the rest is work it never asked for, paid for in everyone's wait.
+    As in run_sequential, every request was submitted at the start: a later chunk's requests
+    count the earlier chunks' time as their queue."""
+    records, size, t0 = [], batch_size or len(items), time.perf_counter()
     for i in range(0, len(items), size):
         chunk = items[i: i + size]
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         results = engine.generate_batch([w.prompt for w in chunk], max(w.max_new_tokens for w in chunk), params)
-        elapsed = time.perf_counter() - t0
+        done = time.perf_counter()
         for item, result in zip(chunk, results):
-            record = record_of(result, elapsed)
+            record = record_of(result, done - t0, queued_s=started - t0)
             record.beyond_budget = max(0, record.output_tokens - item.max_new_tokens)
             record.output_tokens -= record.beyond_budget
             records.append(record)
-        total_s += elapsed
         bar.update(len(chunk))
-    return records, total_s
+    return records, time.perf_counter() - t0
 # --8<-- [end:measured-loop]
 
 
@@ -122,6 +124,10 @@ def run_submitted(engine, items: list[WorkItem], params, bar) -> tuple[list, flo
 # --8<-- [end:all-at-once]
 
 
+# When a request's clock starts, the same for every engine: the whole workload is handed over at once.
+SUBMITTED = "all of a run's requests at its start, for every engine (one at a time, the rest queue)"
+
+
 def runner_for(engine, spec: str, label: str, args, n: int) -> tuple[str, object]:
     """How this engine meets the workload: its engine loop if it has one (all requests at once),
     static batches where --batch names it (or names no engine), otherwise one after another."""
@@ -140,18 +146,36 @@ def workload(engine, args) -> list[WorkItem]:
             for p in load_prompts(args.prompts, args.num_prompts)]
 
 
-def measure(engines: list, runners: list, items: list[list[WorkItem]], params, args) -> tuple[list, list]:
+def estimate_s(warm_s: float, warm_tokens: int, items: list[WorkItem], runs: int) -> float | None:
+    """The measured runs' length at the warm-up's pace per output token, were every request
+    served alone and to its whole budget: an upper bound for engines that batch or stop early."""
+    if warm_tokens <= 0:
+        return None
+    return warm_s / warm_tokens * sum(w.max_new_tokens for w in items) * runs
+
+
+def measure(engines: list, runners: list, items: list[list[WorkItem]], params, args,
+            labels: list[str] | None = None) -> tuple[list, list]:
     """Warm each engine up, then time args.runs passes: every engine's records and seconds."""
-    for engine, engine_items, (_, run) in zip(engines, items, runners):
+    labels = labels or [type(e).__name__ for e in engines]
+    estimates = []
+    for engine, label, engine_items, (_, run) in zip(engines, labels, items, runners):
         warm = (engine_items * args.warmup)[: args.warmup]
         if warm and not getattr(engine, "warms_up_itself", False):   # the peer warms up in its own process
-            run(engine, warm, params, tqdm(disable=True))
+            progress.say(f"[warm-up] {label}: {len(warm)} request(s), not counted")
+            recs, secs = run(engine, warm, params, progress.Progress(len(warm), "requests", enabled=False))
+            estimates.append(estimate_s(secs, sum(r.output_tokens for r in recs), engine_items, args.runs))
+    total = args.runs * sum(map(len, items))
+    if estimates and None not in estimates:   # said before the long part starts, not discovered after it
+        progress.say(f"[plan] {total} requests ({args.runs} run(s) x {len(engines)} engine(s)): at most about "
+                     f"{progress.duration(sum(estimates))} at the warm-up's pace")
     # --8<-- [start:alternate]
     records, seconds = [[] for _ in engines], [0.0 for _ in engines]
-    with tqdm(total=args.runs * sum(map(len, items)), desc="requests", file=sys.stderr, disable=None) as bar:
+    with progress.Progress(total, "requests", "benchmark") as bar:
         for _ in range(args.runs):
             # Alternate engines within each repetition so machine noise hits all of them alike.
             for i, (engine, (_, run)) in enumerate(zip(engines, runners)):
+                bar.note = labels[i]
                 recs, secs = run(engine, items[i], params, bar)
                 records[i] += recs
                 seconds[i] += secs
@@ -206,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'on' if options.get('prefix_caching') else 'off'}; not passed on: "
               f"{', '.join(peer.describe()['not_passed_on']) or 'nothing'}", flush=True)
     try:   # a request the engine refuses (a prompt plus budget past the context) ends the run in one line
-        records, seconds = measure(engines, runners, items, params, args)
+        records, seconds = measure(engines, runners, items, params, args, labels)
     except ValueError as exc:
         parser.error(f"an engine refused a request of this workload: {exc}")
     if peer and peer.error:   # our rows stand; the peer's is dropped with the reason
@@ -221,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"own budgets {', '.join(map(str, budgets))}")
     title = (f"Offline benchmark: {len(items[0])} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
              f" x {args.runs} runs, {mode}, {budget}{', ignore_eos' if args.ignore_eos else ''}")
-    bench.print_table(title, all_stats)
+    bench.print_table(title, all_stats, SUBMITTED)
     if peer and not peer.error:
         print("\n".join(peers.ratio_lines(all_stats, peer.name)))
     for stats, recs in zip(all_stats, records):

@@ -45,9 +45,7 @@ from collections.abc import Iterator
 
 import httpx
 import numpy as np
-from tqdm import tqdm
-
-from kit import bench, cli, launcher   # flags and statistics shared with the offline benchmark
+from kit import bench, cli, launcher, progress   # flags and statistics shared with the offline benchmark
 from kit.bench import RequestRecord
 from kit.workloads import load_prompts, mixed_workload
 
@@ -79,9 +77,12 @@ def request_for(prompt: dict, model_id: str, max_tokens: int, ignore_eos: bool, 
 
 
 # --8<-- [start:client-timing]
-async def send(client: httpx.AsyncClient, path: str, body: dict) -> RequestRecord:
-    """One request, timed from the client: TTFT, the gap before every later token, the total."""
-    t0 = time.perf_counter()
+async def send(client: httpx.AsyncClient, path: str, body: dict, submitted: float | None = None) -> RequestRecord:
+    """One request, timed from the client: TTFT, the gap before every later token, the total.
+
+    The clock starts at `submitted` (a perf_counter time) when the request arrived before it could
+    be sent, else now: latency and TTFT then include its wait for a free connection."""
+    t0 = time.perf_counter() if submitted is None else submitted
     stamps, usage = [], None   # arrival time of each text chunk; the server's token counts
     try:
         if body["stream"]:
@@ -175,20 +176,30 @@ def print_goodput(names: list[str], results: list[dict], slo: str) -> None:
 
 
 async def run_load(client, jobs: list[tuple[str, dict]], concurrency: int | None, arrivals: list[float],
-                   bar) -> tuple[list, float]:
-    """Send every job at its arrival time, at most `concurrency` in flight. Returns records, seconds."""
+                   bar, rate_given: bool = False) -> tuple[list, float]:
+    """Send every job at its arrival time, at most `concurrency` in flight. Returns records, seconds.
+    rate_given: the arrivals are a request rate's (each request's clock starts at its arrival)."""
     limit = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     start = time.perf_counter()
 
     async def one(at: float, job) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        async with limit:  # a request waiting here has not been sent yet: its clock has not started
-            record = await send(client, *job)
+        # With a request rate, a request exists from its arrival: a wait for a free slot is queueing
+        # and its clock runs. Without one, --concurrency C is C users who each send their next
+        # request when the last one is answered: it is submitted when it is sent.
+        async with limit:
+            record = await send(client, *job, submitted=start + at if rate_given else None)
         bar.update(1)
         return record
 
     records = await asyncio.gather(*(one(at, job) for at, job in zip(arrivals, jobs)))
     return list(records), time.perf_counter() - start
+
+
+# When a request's clock starts, the same for every server: queueing inside the server (behind
+# a lock, or for a place in the batch) always counts.
+SUBMITTED = ("when the client sends it (--concurrency C: C users, each sending the next when answered); "
+             "with --request-rate, at its arrival, so a wait for a free slot counts")
 
 
 def workload(args) -> list[tuple[dict, int]]:
@@ -219,7 +230,8 @@ async def measure(url: str, args, requests: list[tuple[dict, int]], warmup: int,
         for job in (jobs * warmup)[:warmup]:
             await send(client, *job)
         concurrency = args.concurrency or (None if args.request_rate else 1)
-        return await run_load(client, jobs, concurrency, arrival_times(len(jobs), args.request_rate, args.seed), bar)
+        return await run_load(client, jobs, concurrency, arrival_times(len(jobs), args.request_rate, args.seed), bar,
+                              rate_given=args.request_rate is not None)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -259,14 +271,15 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     all_records, seconds = [[] for _ in targets], [0.0 for _ in targets]
-    with contextlib.ExitStack() as servers, tqdm(total=len(targets) * len(requests) * args.runs,
-                                                 desc="requests", file=sys.stderr, disable=None) as bar:
+    with contextlib.ExitStack() as servers, progress.Progress(len(targets) * len(requests) * args.runs,
+                                                              "requests", "benchmark") as bar:
         try:   # every server up at once (idle ones cost memory, not time), so runs can alternate
             urls = [servers.enter_context(contextlib.nullcontext(t) if args.url else
                                           launched_server(t, args.model, args.device, args.startup_timeout, options))
                     for t in targets]
             for run in range(args.runs):
                 for i, url in enumerate(urls):   # one server at a time, alternating, as offline
+                    bar.note = labels[i]
                     records, secs = asyncio.run(measure(url, args, requests, args.warmup if run == 0 else 0, bar))
                     all_records[i] += records
                     seconds[i] += secs
@@ -285,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     title = (f"Online benchmark: {len(requests)} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
              f" x {args.runs} runs, {mode}, {'plain' if args.no_stream else 'streamed'}, {budget}"
              f"{', ignore_eos' if args.ignore_eos else ''}")
-    bench.print_table(title, all_stats)
+    bench.print_table(title, all_stats, SUBMITTED)
     for stats, records in zip(all_stats, all_records):
         if stats.failed:
             first_error = next(r.error for r in records if r.error)

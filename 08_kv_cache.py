@@ -170,6 +170,15 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return statistics.median(y - slope * x for x, y in zip(xs, ys)), slope
 
 
+def fit_description(intercept: float, slope: float) -> str:
+    """The fitted line in words: a step's time at position 0 (seconds in), and what each token of
+    context adds to it. A falling line says the machine got quieter during the run, not that
+    context makes steps faster: it is printed with its sign, and said to be noise."""
+    sign = "+" if slope >= 0 else "-"
+    text = f"step = {intercept * 1e3:6.1f} ms {sign} {abs(slope) * 1e3:6.2f} ms per token of context"
+    return text if slope >= 0 else text + " (falling: noise in the timings, not a trend)"
+
+
 def predicted_seconds(fit: tuple[float, float], first: int, last: int) -> float:
     """The fitted step times summed over positions first..last: a line summed is a parabola."""
     intercept, slope = fit
@@ -267,7 +276,7 @@ def main() -> None:
         fit_u = fit_line(decode, uncached.step_seconds[1:])
         print(f"\n[growth]  a line fitted to the decode steps' times (median of pairwise slopes)")
         for label, (intercept, slope) in (("with cache", fit_c), ("without", fit_u)):
-            print(f"  {label:<11} step = {intercept * 1e3:6.1f} ms + {slope * 1e6:7.1f} us x position")
+            print(f"  {label:<11} {fit_description(intercept, slope)}")
         for answer in (256, 1024, 4096) if len(decode) >= 16 and min(fit_c[1], fit_u[1]) > 0 else ():
             last = n_prompt + answer - 1   # too few steps, or a slope below zero: too noisy to extrapolate
             if last <= context:

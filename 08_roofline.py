@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from kit import cli
+from kit import cli, progress
 from minivllm import threads
 
 setup = importlib.import_module("01_setup")
@@ -53,16 +53,21 @@ def best_time(fn, device: torch.device, repeats: int, label: str = "") -> float:
     """The fastest of `repeats` runs of fn(), in seconds: a busy machine only ever adds time."""
     fn()                                   # warm-up: first calls allocate and fault pages in
     best = float("inf")
+    # On a terminal one line redrawn per try; in a log (no terminal) one plain line per measurement,
+    # never a carriage return, which a log file would keep as a mess of overwritten text.
+    redraw = bool(label) and progress.on_terminal()
     for i in range(repeats):
-        if label:
+        if redraw:
             print(f"\r[measure] {label}: try {i + 1}/{repeats}", end="", file=sys.stderr, flush=True)
         _sync(device)
         start = time.perf_counter()
         fn()
         _sync(device)
         best = min(best, time.perf_counter() - start)
-    if label:
+    if redraw:
         print(file=sys.stderr)
+    elif label:
+        progress.say(f"[measure] {label}: best of {repeats} tries {best * 1e3:.2f} ms")
     return best
 
 

@@ -32,7 +32,7 @@ from statistics import median
 
 import torch
 
-from kit import cli
+from kit import cli, progress
 from minivllm import contracts
 
 decode_loop = importlib.import_module("07_decode_loop")
@@ -119,11 +119,13 @@ def measure(engine: StaticBatchEngine, prompts: list[str], new_tokens: int, para
             "latency_s": sum(done) / len(done), "results": results}
 
 
-def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats: int = 2) -> list[dict]:
+def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats: int = 2,
+          bar=None) -> list[dict]:
     """Throughput and latency against batch size, next to the sequential baseline (same model).
 
     Each size runs `repeats` rounds of both ways, alternating which goes first, so a busy
     moment on the machine hits both; the table gives medians and the range of the ratio.
+    `bar` (kit.progress) hears of every timed pass: the largest sizes take minutes.
     """
     pool = engine04.reference_prompts()       # mixed lengths on purpose: padding is part of the cost
     params = SamplingParams(ignore_eos=True)  # every row produces exactly new_tokens
@@ -134,7 +136,12 @@ def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats:
         rounds = []
         for r in range(repeats):
             order = (False, True) if r % 2 == 0 else (True, False)
-            rounds.append({batched: measure(engine, prompts, new_tokens, params, batched) for batched in order})
+            passes = {}
+            for batched in order:
+                passes[batched] = measure(engine, prompts, new_tokens, params, batched)
+                if bar:
+                    bar.update(size, note=f"batch {size}, round {r + 1}, {'batched' if batched else 'sequential'}")
+            rounds.append(passes)
         ratios = [x[True]["tokens_per_s"] / x[False]["tokens_per_s"] for x in rounds]
         ours = rounds[-1][True]["results"]
         prefill_pad, decode_pad = padding_waste([r.metrics.input_tokens for r in ours], new_tokens)
@@ -205,10 +212,19 @@ def main() -> None:
             engine.encode(prompt, args.max_new_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    # Said before the sweep starts: one request timed alone, times the requests run one by one,
+    # is the sequential passes' length; the batched passes take less than that again.
+    t0 = time.perf_counter()
+    engine04.BaselineEngine.generate(engine, engine04.reference_prompts()[0], args.max_new_tokens,
+                                     SamplingParams(ignore_eos=True))
+    one_s = time.perf_counter() - t0
+    progress.say(f"[plan] {len(args.sizes)} batch sizes x {args.repeats} round(s), sequential and batched: at most "
+                 f"about {progress.duration(2 * one_s * sum(args.sizes) * args.repeats)} (one request took {one_s:.1f} s)")
     print(f"\n[Static batching vs sequential generate, {args.max_new_tokens} new tokens, ignore_eos, reference "
           f"prompts cycled; medians of {args.repeats} alternating rounds, (range) = the rounds' lowest-highest ratio]"
-          f"\n{HEADER}")
-    table = sweep(engine, args.sizes, args.max_new_tokens, args.repeats)
+          f"\n{HEADER}", flush=True)
+    with progress.Progress(2 * sum(args.sizes) * args.repeats, "requests", "sweep") as bar:
+        table = sweep(engine, args.sizes, args.max_new_tokens, args.repeats, bar)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(engine.device), "max_new_tokens": args.max_new_tokens, "rows": table}, f,

@@ -28,6 +28,7 @@ from collections import defaultdict
 import torch
 
 from kit import cli
+from minivllm.threads import thread_count
 
 engine04 = importlib.import_module("04_engine")
 model10 = importlib.import_module("10_model")
@@ -140,7 +141,7 @@ def time_layouts(model, batch_sizes=(1, 2, 4, 8, 16, 32), rounds: int = 9) -> di
 
 def print_layouts(table: dict[int, tuple[float, float]]) -> None:
     print(f"\n[Weight layout]  the layers' matmuls x @ Wᵀ (all 30 layers), CPU time, best of alternating "
-          f"rounds, {torch.get_num_threads()} thread(s)")
+          f"rounds, {thread_count()}")
     print(f"  {'batch':>5}{'row-major ms':>15}{'input-major ms':>17}{'input-major speed':>20}")
     for b, (row, col) in table.items():
         print(f"  {b:>5}{row * 1e3:>15.2f}{col * 1e3:>17.2f}{row / col:>19.2f}x")

@@ -65,9 +65,16 @@ def capacity(workload: dict, kv_memory: int, bytes_per_token: int, block_size: i
 # --8<-- [end:capacity]
 
 
-def print_capacity(table: dict, kv_memory: int, bytes_per_token: int) -> None:
-    print(f"\n[Capacity]  {kv_memory / 2**20:.0f} MiB of KV cache = {kv_memory // bytes_per_token:,} tokens "
-          f"at {bytes_per_token:,} bytes/token; mixed workload of data/mixed_workload.json")
+def capacity_header(kv_memory: int, bytes_per_token: int, num_blocks: int, block_size: int) -> str:
+    """The budget in tokens, said both ways: contiguous regions can use every slot the bytes
+    buy, while the paged pool holds only whole blocks (the number the engine prints at start)."""
+    return (f"[Capacity]  {kv_memory / 2**20:.0f} MiB of KV cache at {bytes_per_token:,} bytes/token: "
+            f"{kv_memory // bytes_per_token:,} token slots as regions, {num_blocks * block_size:,} in the pool's "
+            f"{num_blocks:,} whole blocks of {block_size}; mixed workload of data/mixed_workload.json")
+
+
+def print_capacity(table: dict, header: str) -> None:
+    print(f"\n{header}")
     print(f"  {'layout':<22}{'slots/sequence':>15}{'wasted':>9}{'sequences that fit':>21}")
     base = next(iter(table.values()))["fits"]
     for name, row in table.items():
@@ -149,7 +156,7 @@ def main() -> None:
     per_token = engine.model.config.kv_bytes_per_token(engine.model.dtype)
     workload = load_workload()
     table = capacity(workload, kv_memory, per_token, args.block_size)
-    print_capacity(table, kv_memory, per_token)
+    print_capacity(table, capacity_header(kv_memory, per_token, engine.blocks.num_blocks, args.block_size))
 
     prompts = engine04.reference_prompts()[:4]
     live = live_block_tables(engine, prompts, steps=20, params=SamplingParams(ignore_eos=True))

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 import time
 
 import torch
-from tqdm import tqdm
 
-from kit import bench, cli, workloads
+from kit import bench, cli, progress, workloads
+from minivllm.threads import thread_count
 
 engine04 = importlib.import_module("04_engine")
 offline = importlib.import_module("06_benchmark_offline")
@@ -71,19 +70,38 @@ def run_settings(engines: dict, items: list, rounds: int) -> dict:
     params = engine04.SamplingParams(ignore_eos=True)
     records, seconds, cached = {k: [] for k in engines}, dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     outputs = {}
-    for engine in engines.values():                   # warm-up: first calls allocate
-        run_once(engine, items[:2], params)
+    estimate = 0.0
+    for label, engine in engines.items():             # warm-up: first calls allocate
+        progress.say(f"[warm-up] {label}: 2 requests, not counted")
+        recs, secs, _ = run_once(engine, items[:2], params)
+        # The warm-up's pace per output token, over every round's tokens: an upper bound, since
+        # 32 requests at once share each step where the warm-up's two shared it less.
+        estimate += secs / sum(r.output_tokens for r in recs) * sum(it.max_new_tokens for it in items) * rounds
+    progress.say(f"[plan] {rounds} round(s) x {len(engines)} engines x {len(items)} requests: at most about "
+                 f"{progress.duration(estimate)} at the warm-up's pace")
     order = list(engines)
-    for r in tqdm(range(rounds), desc="rounds", file=sys.stderr, disable=None):
-        for label in order if r % 2 == 0 else order[::-1]:
-            recs, secs, results = run_once(engines[label], items, params)
-            records[label] += recs
-            seconds[label] += secs
-            cached[label] += sum(res.metrics.cached_tokens or 0 for res in results)
-            outputs[label] = [res.output_ids for res in results]
+    with progress.Progress(rounds * len(engines), "engine runs", "switches") as bar:
+        for r in range(rounds):
+            for label in order if r % 2 == 0 else order[::-1]:
+                recs, secs, results = run_once(engines[label], items, params)
+                bar.update(1, note=f"round {r + 1}: {label}, {secs:.0f} s")
+                records[label] += recs
+                seconds[label] += secs
+                cached[label] += sum(res.metrics.cached_tokens or 0 for res in results)
+                outputs[label] = [res.output_ids for res in results]
     return {"stats": {k: bench.bench_stats(k, records[k], seconds[k]) for k in engines},
             "cached": {k: cached[k] / rounds for k in engines}, "outputs": outputs}
 # --8<-- [end:run]
+
+
+def shared_features(features: list[dict]) -> tuple[dict, list[str]]:
+    """What every engine has in common, and the names of the features that differ between them:
+    printing the first engine's features as everyone's would call the int8 engine float32."""
+    if not features:
+        raise ValueError("no engines")
+    keys = list(dict.fromkeys(k for f in features for k in f))
+    differing = [k for k in keys if any(f.get(k) != features[0].get(k) for f in features)]
+    return {k: v for k, v in features[0].items() if k not in differing}, differing
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -97,11 +115,11 @@ def print_table(result: dict, items: list, tokenizer) -> None:
     print(f"\n[{len(items)} requests at once, {prompt_tokens:,} prompt tokens, "
           f"{stats[first].output_tokens // max(1, stats[first].requests // len(items)):,} output tokens a round]")
     print(f"  {'setting':<26}{'output tok/s':>13}{'x float32':>10}{'TTFT p50 ms':>13}"
-          f"{'prompt tokens cached':>22}{'same tokens as float32':>24}")
+          f"{'prompt tokens cached':>22}{'same answers as float32':>25}")
     for label, st in stats.items():
         print(f"  {label:<26}{st.output_tokens_per_s:>13.1f}{st.output_tokens_per_s / stats[first].output_tokens_per_s:>10.2f}"
               f"{st.ttft_ms['p50']:>13.0f}{result['cached'][label] / prompt_tokens:>22.0%}"
-              f"{agreement(result['outputs'][label], result['outputs'][first]):>24.0%}")
+              f"{agreement(result['outputs'][label], result['outputs'][first]):>25.0%}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -139,8 +157,9 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     tokenizer = next(iter(engines.values())).tokenizer
     items = traffic(tokenizer, args.requests, not args.no_system)
-    print(f"[settings] {len(engines)} engines, {args.rounds} alternating round(s), {torch.get_num_threads()} "
-          f"CPU thread(s); every engine: {next(iter(engines.values())).features()}")
+    common, differing = shared_features([e.features() for e in engines.values()])
+    print(f"[settings] {len(engines)} engines, {args.rounds} alternating round(s), {thread_count()}; "
+          f"every engine: {common}; set per engine (the rows below): {', '.join(differing)}")
     result = run_settings(engines, items, args.rounds)
     for engine in engines.values():
         engine.close()

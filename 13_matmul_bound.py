@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from kit import cli, workloads
+from minivllm.threads import thread_count
 
 engine04 = importlib.import_module("04_engine")
 cb = importlib.import_module("13_continuous_batching_engine")
@@ -105,7 +106,7 @@ def main() -> None:
     # --8<-- [end:peak]
     engine.close()
 
-    where = f"{torch.get_num_threads()} CPU threads" if engine.device.type == "cpu" else str(engine.device)
+    where = thread_count() if engine.device.type == "cpu" else str(engine.device)
     print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {where}\n")
     print(f"  {'':<34}{'seconds':>9}{'tokens/s':>10}")
     print(f"  {'continuous batching, measured':<34}{wall:>9.1f}{tokens / wall:>10.1f}")

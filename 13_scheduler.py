@@ -40,15 +40,20 @@ def main() -> None:
         work = scheduler.schedule()
         parts = [f"r{r.id} {'decode' if n == 1 and s >= r.n_prompt else 'prefill'} [{s}:{s + n})"
                  for r, s, n in zip(work.requests, work.starts, work.lengths)]
-        print(f"  step {step:>2}: " + ", ".join(parts) + (f"   preempted {[f'r{r.id}' for r in work.preempted]}"
-                                                       if work.preempted else "") +
-              f"   free blocks {scheduler.blocks.num_free}")
+        line = (f"  step {step:>2}: " + ", ".join(parts) + (f"   preempted {[f'r{r.id}' for r in work.preempted]}"
+                                                          if work.preempted else "") +
+                f"   free blocks {scheduler.blocks.num_free}")
+        finished = []
         for r, s, n in zip(work.requests, work.starts, work.lengths):
             r.num_computed += n
             if r.num_computed == r.num_tokens:      # the model would sample one token here
                 r.new_ids.append(0)
                 if len(r.new_ids) == r.budget:
                     scheduler.finish(r)
+                    finished.append(f"r{r.id}")
+        # A request that reached its budget leaves the batch here: said, so that its absence from
+        # the next step reads as done, not as dropped. Its blocks count as free from the next line.
+        print(line + (f"   finished {', '.join(finished)}" if finished else ""))
         step += 1
     print(f"  done in {step} steps, {scheduler.num_preemptions} preemption(s)")
 

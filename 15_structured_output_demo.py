@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jsonschema
 
-from kit import cli
+from kit import cli, progress
 
 engine04 = importlib.import_module("04_engine")
 so = importlib.import_module("15_structured_output")
@@ -67,8 +67,9 @@ def run_all(engine, prompts: list[str], params: list[SamplingParams]) -> tuple[l
     return results, time.perf_counter() - t0
 
 
-def validity(engine, tasks: list[dict], prompts: list[str], seeds: int) -> dict:
-    """Counts of valid / parses / broken answers, free and constrained, over greedy + seeded samples."""
+def validity(engine, tasks: list[dict], prompts: list[str], seeds: int, bar=None) -> dict:
+    """Counts of valid / parses / broken answers, free and constrained, over greedy + seeded samples.
+    `bar` (kit.progress) hears of every pass over the tasks."""
     counts = {mode: {"valid": 0, "parses": 0, "broken": 0} for mode in ("free", "constrained")}
     examples = {}
     for mode in counts:
@@ -77,6 +78,8 @@ def validity(engine, tasks: list[dict], prompts: list[str], seeds: int) -> dict:
             params = [SamplingParams(**sampling, **({"structured": {"json_schema": t["schema"]}}
                                                     if mode == "constrained" else {})) for t in tasks]
             results, _ = run_all(engine, prompts, params)
+            if bar:
+                bar.update(1, note=f"validity, {mode}, {'greedy' if seed is None else f'seed {seed}'}")
             for task, result in zip(tasks, results):
                 counts[mode][verdict(result.text, task["schema"])] += 1
                 if seed is None:
@@ -101,7 +104,8 @@ def mask_cost(engine, spec: tuple, output_ids: list[int]) -> list[float]:
 # --8<-- [end:mask-cost]
 
 
-def speed(engine, tasks: list[dict], prompts: list[str], lengths: list[int], batch: int, rounds: int) -> dict:
+def speed(engine, tasks: list[dict], prompts: list[str], lengths: list[int], batch: int, rounds: int,
+          bar=None) -> dict:
     """Tokens/s free vs constrained, in alternating rounds on the same requests. The free ones are held to
     the constrained answers' lengths (ignore_eos, max_tokens): the same steps, with and without the mask."""
     picks = [i % len(tasks) for i in range(max(batch, len(tasks)))]
@@ -115,6 +119,8 @@ def speed(engine, tasks: list[dict], prompts: list[str], lengths: list[int], bat
                 results, elapsed = run_all(engine, [prompts[picks[i]] for i in group], [params[i] for i in group])
                 total[mode][0] += sum(r.metrics.output_tokens for r in results)
                 total[mode][1] += elapsed
+            if bar:
+                bar.update(1, note=f"speed at batch {batch}, {mode}, round {k + 1}")
     return {mode: {"tokens": n, "seconds": s, "tokens_per_s": n / s, "ms_per_token": s / n * 1e3}
             for mode, (n, s) in total.items()}
 
@@ -154,7 +160,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=cli.integer(0, 16), default=2, help="seeded samples per task, beside greedy")
     parser.add_argument("--rounds", type=cli.integer(1, 10), default=4, help="alternating rounds of the speed test")
     parser.add_argument("--small", action="store_true", help="a quick look: one seed, batch 1 only")
-    parser.add_argument("--plot", type=cli.output_file(".png", ".svg"), default=None, metavar="FILE")
+    parser.add_argument("--plot", type=cli.plot_file(), default=None, metavar="FILE")
     args = parser.parse_args()
     engine = cb.ContinuousBatchingEngine(args.model, device=args.device)
     tasks = load_tasks()
@@ -173,7 +179,13 @@ def main() -> None:
         print(f"  {task['name']:8s} compile {times[0]:6.2f} ms, again {times[1]:5.3f} ms")
 
     seeds = 1 if args.small else args.seeds
-    valid = validity(engine, tasks, prompts, seeds)
+    batches = (1,) if args.small else (1, 32)
+    # Every pass over the tasks, counted ahead so that the progress lines can say how long is left.
+    passes = 2 * (1 + seeds) + 2 * args.rounds * len(batches)
+    progress.say(f"[plan] {passes} passes: validity 2 x {1 + seeds}, then speed 2 x {args.rounds} rounds at batch "
+                 f"{' and '.join(map(str, batches))}" + ("" if args.small else "; --small is a quicker look"))
+    bar = progress.Progress(passes, "passes", "structured")
+    valid = validity(engine, tasks, prompts, seeds, bar)
     print(f"\n[Greedy answers, free vs constrained]  ({len(tasks)} tasks, budget {BUDGET} tokens)")
     for name, pair in valid["examples"].items():
         schema = next(t["schema"] for t in tasks if t["name"] == name)
@@ -181,7 +193,7 @@ def main() -> None:
             text = " ".join(result.text.split())
             print(f"  {name:8s} {mode:11s} {verdict(result.text, schema):6s} {text[:86]!r}")
     n = len(tasks) * (seeds + 1)
-    print(f"\n[Validity over {n} answers each: greedy + {seeds} seeded samples (temperature 0.7) per task]")
+    print(f"\n[Validity over {n} answers each: greedy + {seeds} seeded sample{'' if seeds == 1 else 's'} (temperature 0.7) per task]")
     for mode, c in valid["counts"].items():
         print(f"  {mode:11s} valid {c['valid']:3d} ({c['valid'] / n:4.0%})   parses but breaks the schema "
               f"{c['parses']:3d}   does not parse {c['broken']:3d}")
@@ -195,15 +207,16 @@ def main() -> None:
 
     speeds = {}
     lengths = [len(valid["examples"][t["name"]]["constrained"].output_ids) for t in tasks]
-    for batch in (1,) if args.small else (1, 32):
-        speeds[batch] = s = speed(engine, tasks, prompts, lengths, batch, args.rounds)
-        print(f"\n[Speed, batch {batch}: the same requests and lengths, {args.rounds} alternating rounds]")
+    for batch in batches:
+        speeds[batch] = s = speed(engine, tasks, prompts, lengths, batch, args.rounds, bar)
+        print(f"\n[Speed, batch {batch}: the same requests and lengths, {args.rounds} alternating round{'' if args.rounds == 1 else 's'}]")
         for mode in ("free", "constrained"):
             print(f"  {mode:11s} {s[mode]['tokens']:5d} tokens  {s[mode]['tokens_per_s']:7.1f} tokens/s  "
                   f"{s[mode]['ms_per_token']:6.2f} ms/token")
         print(f"  constrained / free tokens/s: {s['constrained']['tokens_per_s'] / s['free']['tokens_per_s']:.3f}")
         share = statistics.median(costs) / 1e3 / s["free"]["ms_per_token"]   # one mask per output token
         print(f"  the mask's own time (median, above) per output token: {share:.2%} of the free time per token")
+    bar.close()
     if args.plot:
         plot(args.plot, valid, speeds)
 

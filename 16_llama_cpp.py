@@ -91,8 +91,7 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(f"[Prompt]\n  {args.prompt}\n\n[Output]\n  {result.text.strip()}\n\n[Metrics]")
-    for name, value in result.metrics.as_dict().items():
-        print(f"  {name:<15} {value:.1f}" if isinstance(value, float) else f"  {name:<15} {value}")
+    print("\n".join(engine04.metric_lines(result.metrics)))   # with units: throughput in tokens/s
 
 
 if __name__ == "__main__":

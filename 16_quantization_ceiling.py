@@ -31,6 +31,7 @@ import time
 import torch
 
 from kit import cli
+from minivllm.threads import thread_count
 
 model10 = importlib.import_module("10_model")
 engine10 = importlib.import_module("10_model_engine")
@@ -107,7 +108,7 @@ def main() -> None:
                 step[name].append(step_ms(model))
     median = {name: [statistics.median(m[name]) for m in (mm, rest, step)] for name in models}
     first = median[next(iter(models))]
-    where = f"{torch.get_num_threads()} CPU threads" if base.device.type == "cpu" else str(base.device)
+    where = thread_count() if base.device.type == "cpu" else str(base.device)
     print(f"\n[Chapter 12] batch-1 decode on {where}, median of {args.rounds} "
           f"alternating rounds; ratios: float32's time over the mode's\n")
     print(f"  {'mode':<14}{'matmuls':>20}{'everything else':>20}{'whole step':>20}")

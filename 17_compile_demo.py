@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=cli.integer(1, 64), default=[1, 32])
     parser.add_argument("--context", type=cli.integer(1, 2000), default=256, help="tokens each row has cached")
     parser.add_argument("--rounds", type=cli.integer(1, 50), default=5, help="timed repeats (best kept)")
-    parser.add_argument("--plot", metavar="PNG", help="draw the table as stacked bars")
+    parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="draw the table as stacked bars")
     parser.add_argument("--part", choices=("steps", "apart", "all"), default="all",
                         help="steps: whole steps, eager vs compiled; apart: a decode step per format, in parts")
     parser.add_argument("--thread-counts", nargs="+", type=cli.integer(1, 256), metavar="N",

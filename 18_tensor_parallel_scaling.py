@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kit import cli
+from minivllm.threads import thread_count
 
 model10 = importlib.import_module("10_model")
 
@@ -185,7 +186,7 @@ def cpu_prediction(decode_ms: float, times: dict[int, float]) -> None:
     m = MODELS[0]
     alpha = times[2304]
     bandwidth = ((1 << 20) - (1 << 16)) / max(times[1 << 20] - times[1 << 16], 1e-9)   # latency cancels
-    print(f"\n[This CPU, measured: {torch.get_num_threads()} threads]  batch-1 decode step {decode_ms:.1f} ms; "
+    print(f"\n[This CPU, measured: {thread_count()}]  batch-1 decode step {decode_ms:.1f} ms; "
           f"gloo all-reduce between 2 processes: {alpha * 1e6:.0f} us for {2304:,} bytes (one token's hidden state), "
           f"{times[1 << 16] * 1e6:.0f} us for 64 KiB, {times[1 << 20] * 1e3:.2f} ms for 1 MiB (~{bandwidth / 1e9:.1f} GB/s)")
     comm = (2 * m.layers + 1) * alpha + times[1 << 16] * 3       # + the logits' all-gather (~196 KB) and the step

@@ -109,16 +109,49 @@ def fmt(value) -> str:
     return str(value)
 
 
-def print_table(title: str, all_stats: list[BenchStats]) -> None:
-    """Aligned 'name  value' lines; with several engines, side by side with the ratio to the first."""
+# What every line of the table means, with its unit: printed under it, for the lines it shows.
+LEGEND = {
+    "requests": "requests completed (count)",
+    "failed": "requests that ended in an error (count; left out of the time lines)",
+    "input_tokens": "prompt tokens of the completed requests (count)",
+    "output_tokens": "generated tokens within each request's own budget (count)",
+    "duration_s": "seconds of wall time, from submitting a run's requests to the last answer, over all runs",
+    "requests/s": "completed requests per second of duration_s",
+    "output_tokens/s": "output tokens per second of duration_s",
+    "latency_ms": "ms from a request's submission to its last token, time queued behind others included",
+    "ttft_ms": "ms from a request's submission to its first token",
+    "tpot_ms": "ms per output token after the first, averaged within each request",
+    "itl_ms": "ms between two consecutive streamed tokens",
+}
+
+
+def legend_lines(rows: list[str], submitted: str) -> list[str]:
+    """The legend of the rows shown: each once (latency_ms for its four summaries), then when the
+    clock of the *_ms lines starts, which differs by benchmark (`submitted`)."""
+    names = list(dict.fromkeys(row.split(" ")[0] for row in rows))
+    unknown = [n for n in names if n not in LEGEND]
+    if unknown:
+        raise ValueError(f"no legend for table line(s) {unknown}: add them to LEGEND")
+    lines = [f"  {name:<18} {LEGEND[name]}" for name in names]
+    if any(name.endswith("_ms") for name in names):
+        lines.append(f"  {'*_ms mean/pNN':<18} over requests: mean, median (p50), 90th and 99th percentiles")
+        lines.append(f"  {'submission':<18} {submitted}")
+    return lines
+
+
+def print_table(title: str, all_stats: list[BenchStats], submitted: str) -> None:
+    """Aligned 'name  value' lines; with several engines, side by side with the ratio to the first.
+    Under it, the legend of the lines shown; `submitted` says when a request's clock starts."""
     print(f"\n[{title}]")
     columns = [stat_rows(s) for s in all_stats]
     widths = [max(22, len(s.name) + 2) for s in all_stats]   # a long engine name must not run into the next
     if len(all_stats) > 1:
         print(f"  {'':<18} " + "".join(f"{s.name:<{w}}" for s, w in zip(all_stats, widths)).rstrip())
+    shown = []
     for name in columns[0]:
         if all(col[name] is None for col in columns):
             continue  # e.g. TTFT for an engine that cannot see its own loop
+        shown.append(name)
         cells = []
         for col, width in zip(columns, widths):
             value, first = col[name], columns[0][name]
@@ -127,8 +160,11 @@ def print_table(title: str, all_stats: list[BenchStats]) -> None:
                 cell += f" ({value / first:.2f}x)"
             cells.append(f"{cell:<{width}}")
         print(f"  {name:<18} " + "".join(cells).rstrip())
+    print("  where")
+    print("\n".join(legend_lines(shown, submitted)))
     if len(all_stats) > 1:
-        print(f"  (Nx) = ratio to {all_stats[0].name}: above 1 is better for /s lines, below 1 for *_ms lines")
+        print(f"  (Nx) = ratio to {all_stats[0].name}: above 1 is better for the /s lines, "
+              "below 1 for duration_s and the *_ms lines")
 
 
 def plot_results(path: str | Path, all_stats: list[BenchStats], all_records: list[list], title: str) -> None:

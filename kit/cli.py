@@ -66,8 +66,18 @@ def output_file(*suffixes: str):
     return parse
 
 
+PLOTS_DIR = "plots"   # git-ignored: pictures a reader draws stay out of the repository's status
+
+
 def plot_file():
-    return output_file(*PLOT_SUFFIXES)
+    """A picture to write: a bare name (`--plot kv.png`) goes into plots/, so the README's commands
+    leave no files in the repository's root; a name with a folder (book/assets/...) is kept as given."""
+    check = output_file(*PLOT_SUFFIXES)
+
+    def parse(text: str) -> str:
+        check(text)                        # refused in the words the reader typed
+        return check(str(Path(PLOTS_DIR) / text)) if Path(text).name == text else text
+    return parse
 
 
 def _range(low, high) -> str:

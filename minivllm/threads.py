@@ -67,3 +67,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def thread_count(n: int | None = None) -> str:
+    """'1 CPU thread' or '4 CPU threads': torch's intra-op threads (or n), with the noun agreeing."""
+    n = torch.get_num_threads() if n is None else n
+    if n < 1:
+        raise ValueError(f"a thread count is at least 1, got {n}")
+    return f"{n} CPU thread{'' if n == 1 else 's'}"

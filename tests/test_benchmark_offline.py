@@ -59,6 +59,38 @@ def test_bench_stats_pools_inter_token_gaps_across_requests():
     assert stats.itl_ms["mean"] == pytest.approx(100 / 3) and stats.itl_ms["p50"] == 40.0
 
 
+def test_the_legend_covers_every_line_of_the_table_with_its_unit():
+    record = bench.RequestRecord(100.0, 3, 4, ttft_ms=10.0, tpot_ms=5.0, itl_ms=[5.0])
+    rows = list(bench.stat_rows(bench.bench_stats("e", [record], 1.0)))
+    lines = bench.legend_lines(rows, "when the client sends it")
+    explained = {line.split()[0] for line in lines}
+    assert {row.split(" ")[0] for row in rows} <= explained          # duration_s included
+    assert "ms from a request's submission" in "\n".join(lines) and "seconds of wall time" in "\n".join(lines)
+    assert lines[-1].split() == ["submission", "when", "the", "client", "sends", "it"]
+    with pytest.raises(ValueError, match="no legend for table line"):
+        bench.legend_lines(["goodness mean"], "now")
+
+
+def test_progress_in_a_log_is_one_plain_line_per_step_with_an_estimate():
+    import io
+
+    from kit import progress
+
+    ticks = iter([0.0, 10.0, 20.0, 30.0, 40.0])
+    out = io.StringIO()
+    with progress.Progress(4, "requests", "benchmark", stream=out, clock=lambda: next(ticks)) as bar:
+        bar.note = "BaselineEngine"
+        for _ in range(4):
+            bar.update(1)
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 4
+    assert lines[0] == "[benchmark] 1/4 requests, 10 s, about 30 s left (BaselineEngine)"
+    assert lines[-1] == "[benchmark] 4/4 requests, 40 s (BaselineEngine)"
+    assert [progress.duration(s) for s in (45, 192, 5400)] == ["45 s", "3.2 min", "1.5 h"]
+    with pytest.raises(ValueError):
+        progress.Progress(-1, "requests")
+
+
 # --- the measured loop on a fake engine with a fake clock -------------------------------------
 
 class FakeClock:
@@ -129,7 +161,8 @@ def test_measured_runs_use_engine_token_counts_and_discard_warmup(fake_world, tm
     # Tokens 1, 2, 3 (not 3 x max_new_tokens), at 250 ms per token, twice over.
     assert (stats.requests, stats.output_tokens, stats.duration_s) == (6, 12, 3.0)
     assert stats.output_tokens_per_s == 4.0 and stats.requests_per_s == 2.0
-    assert stats.latency_ms == {"mean": 500.0, "p50": 500.0, "p90": 750.0, "p99": 750.0}
+    # Latency runs from the run's start, when all three were submitted: 250, 250+500, 750+750 ms.
+    assert stats.latency_ms == {"mean": pytest.approx(2500 / 3), "p50": 750.0, "p90": 1500.0, "p99": 1500.0}
     printed = capsys.readouterr().out
     assert table_row(printed, "output_tokens/s") == ["4.00"]
     assert "ttft_ms" not in printed   # not measured: the line is omitted, not printed as 0 or None
@@ -154,18 +187,21 @@ def test_comparison_alternates_engines_and_reports_ratios(fake_world, capsys):
     base, loop = result["stats"]
     assert (base.name, loop.name) == ("FakeEngine", "FakeLoopEngine")
     assert loop.output_tokens_per_s == 2 * base.output_tokens_per_s == 8.0
-    assert base.ttft_ms is None and loop.ttft_ms == {"mean": 16.0, "p50": 16.0, "p90": 24.0, "p99": 24.0}
+    # The engine's own TTFT (8, 16, 24 ms) plus the time each request queued: 0, 125, 375 ms.
+    assert base.ttft_ms is None and loop.ttft_ms == {"mean": pytest.approx(548 / 3), "p50": 141.0,
+                                                     "p90": pytest.approx(399.0), "p99": pytest.approx(399.0)}
     printed = capsys.readouterr().out
     assert table_row(printed, "output_tokens/s") == ["4.00", "8.00", "(2.00x)"]
-    assert table_row(printed, "ttft_ms mean") == ["-", "16.0"]   # the baseline cannot measure TTFT
+    assert table_row(printed, "ttft_ms mean") == ["-", "182.7"]   # the baseline cannot measure TTFT
 
 
 def test_batch_mode_times_whole_chunks(fake_world):
     _, prompts = fake_world
     result = offline.main(["--engine", "fake:FakeEngine", "--prompts", prompts, "--max-new-tokens", "3",
                          "--runs", "1", "--warmup", "0", "--batch", "--batch-size", "2"])
-    # Chunk ["a", "bb"] takes 0.75 s, chunk ["cccc"] 0.75 s: each request waits for its chunk.
-    assert [r.latency_ms for r in result["records"][0]] == [750.0, 750.0, 750.0]
+    # Chunk ["a", "bb"] takes 0.75 s, chunk ["cccc"] 0.75 s: each request waits for its chunk,
+    # and the second chunk's request waited for the first chunk as well.
+    assert [r.latency_ms for r in result["records"][0]] == [750.0, 750.0, 1500.0]
     assert result["stats"][0].output_tokens_per_s == 4.0
 
 
@@ -232,6 +268,44 @@ def test_real_run_writes_json_and_png(tiny_model_dir, tmp_path):
     assert stats["ttft_ms"] is None   # HF generate hides its loop
     assert [r["input_tokens"] for r in entry["requests"]] == [r.input_tokens for r in result["records"][0]]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+class CallTimes:
+    """Wraps a real engine and notes when each generate / generate_batch call began and ended."""
+
+    def __init__(self, engine):
+        self.engine, self.spans = engine, []
+
+    def _timed(self, method, *args):
+        start = offline.time.perf_counter()
+        result = method(*args)
+        self.spans.append((start, offline.time.perf_counter()))
+        return result
+
+    def generate(self, *args):
+        return self._timed(self.engine.generate, *args)
+
+    def generate_batch(self, *args):
+        return self._timed(self.engine.generate_batch, *args)
+
+
+@pytest.mark.parametrize("spec, batch_size", [("04_engine:BaselineEngine", None),
+                                              ("09_static_batching:StaticBatchEngine", 1)])
+def test_latency_counts_the_queue_of_one_at_a_time_engines(engine_mod, tiny_model_dir, spec, batch_size):
+    """All requests are submitted when the run starts, so request k's clock was running while
+    the engine served the k-1 before it: its latency covers them (the old per-call clock did not)."""
+    engine = CallTimes(engine_mod.load_engine(spec, str(tiny_model_dir), device="cpu"))
+    items = [workloads.WorkItem(text, 3) for text in ("One", "Two words", "Three words here")]
+    params = contracts.SamplingParams(ignore_eos=True)
+    if batch_size is None:
+        records, seconds = offline.run_sequential(engine, items, params, NoBar())
+    else:
+        records, seconds = offline.run_batched(engine, items, params, NoBar(), batch_size=batch_size)
+    first_start = engine.spans[0][0]   # the run's clock started no later than the first call
+    for record, (_, end) in zip(records, engine.spans):
+        assert record.latency_ms >= (end - first_start) * 1000
+    assert [r.latency_ms for r in records] == sorted(r.latency_ms for r in records)
+    assert records[-1].latency_ms <= seconds * 1000
 
 
 # --- the mixed workload and how each kind of engine meets it ----------------------------------
@@ -330,7 +404,8 @@ def test_static_batches_wait_for_the_largest_budget_but_count_only_their_own():
     assert calls == [("batch", 2, 5), ("batch", 1, 3)]                      # one budget per batch: its largest
     assert [r.output_tokens for r in records] == [2, 5, 3]
     assert [r.beyond_budget for r in records] == [3, 0, 0]
-    assert [r.latency_ms for r in records] == [1250.0, 1250.0, 750.0] and seconds == 2.0   # all wait for 5 steps
+    # The first batch waits for 5 steps; the second for those 5, then its own 3.
+    assert [r.latency_ms for r in records] == [1250.0, 1250.0, 2000.0] and seconds == 2.0
 
 
 def test_a_submit_engine_gets_every_request_at_once_with_its_own_budget(monkeypatch):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -121,6 +122,30 @@ def test_concurrency_caps_requests_in_flight(concurrency, expected_peak):
     records, seconds = asyncio.run(go())
     assert len(records) == 8 and all(r.error is None for r in records) and seconds > 0
     assert peak == expected_peak
+
+
+def test_with_a_request_rate_the_wait_for_a_free_slot_counts():
+    """Arrived requests queue for the one slot: each one's clock started at its arrival (0 here),
+    so its latency covers the requests served before it, as for a server's own queue."""
+    served = []   # (start, end) of each request at the "server"
+
+    async def handler(request):
+        start = time.perf_counter()
+        await asyncio.sleep(0.01)
+        served.append((start, time.perf_counter()))
+        return httpx.Response(200, content=sse_body([{"choices": [{"text": "a"}]}, "[DONE]"]))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            jobs = [("/v1/completions", {"stream": True, "prompt": "x"})] * 4
+            return await online.run_load(client, jobs, 1, [0.0] * 4, NoBar(), rate_given=True)
+
+    records, seconds = asyncio.run(go())
+    first_start = served[0][0]
+    for record, (_, end) in zip(sorted(records, key=lambda r: r.latency_ms), served):
+        assert record.latency_ms >= (end - first_start) * 1000
+        assert record.ttft_ms >= (end - first_start) * 1000   # the first token, too, is timed from arrival
+    assert max(r.latency_ms for r in records) <= seconds * 1000
 
 
 def test_url_and_engine_are_exclusive():

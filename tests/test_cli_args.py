@@ -4,6 +4,7 @@ import argparse
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,10 @@ def test_scripts_refuse_bad_flags_in_one_line(argv, message):
     proc = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert message in proc.stderr
+
+
+def test_a_bare_plot_name_goes_into_the_ignored_plots_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.plot_file()("kv.png") == str(Path("plots") / "kv.png") and (tmp_path / "plots").is_dir()
+    gitignore = (Path(__file__).resolve().parent.parent / ".gitignore").read_text().split()
+    assert "plots/" in gitignore

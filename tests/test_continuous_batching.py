@@ -9,6 +9,7 @@ The engine tests compare `ContinuousBatchingEngine` with `04_engine.BaselineEngi
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 
@@ -712,3 +713,12 @@ def test_matmul_bound_times_every_weight_matmul_once(tiny_model_dir):
     expected = [(f"model.layers.{i}.{n}", (5, c.intermediate_size if n == "down" else c.hidden_size))
                 for i in range(c.num_layers) for n in ("qkv", "o", "gate_up", "down")]
     assert seen == expected + [("lm_head", (2, c.hidden_size))]
+
+
+def test_the_scheduler_walkthrough_marks_every_request_finished_once(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["13_scheduler.py"])
+    load_script("13_scheduler").main()
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  step")]
+    marks = [r for line in steps if "finished" in line for r in line.split("finished ")[1].split(", ")]
+    assert sorted(marks) == ["r0", "r1", "r2", "r3"]
+    assert "finished r3" in steps[-1]   # the last step ends the last request

@@ -164,3 +164,14 @@ def test_flags(tiny_model_dir, capsys):
         demo.main(["--requests", "0"])
     with pytest.raises(SystemExit, match="no request fits"):
         demo.main(["--model", str(tiny_model_dir), "--kv-memory", "8KB", "--requests", "2"])
+
+
+def test_the_switches_header_names_only_what_every_engine_shares():
+    switches = load_script("13_continuous_batching_switches")
+    features = [{"engine": "CB", "quant": "float32", "prefix_caching": False, "block_size": 16},
+                {"engine": "CB", "quant": "int8", "prefix_caching": True, "block_size": 16},
+                {"engine": "CB", "quant": "int4", "prefix_caching": False, "block_size": 16}]
+    common, differing = switches.shared_features(features)
+    assert common == {"engine": "CB", "block_size": 16} and differing == ["quant", "prefix_caching"]
+    with pytest.raises(ValueError):
+        switches.shared_features([])

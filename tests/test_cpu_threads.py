@@ -50,3 +50,11 @@ def test_release_is_harmless_without_a_team_and_repeatable():
     for _ in range(3):
         assert cpu_threads.release_idle_workers() in (True, False)
     assert torch.equal(parallel_work(), parallel_work())
+
+
+def test_a_thread_count_reads_in_the_singular_and_the_plural():
+    from minivllm.threads import thread_count
+
+    assert (thread_count(1), thread_count(2)) == ("1 CPU thread", "2 CPU threads")
+    with pytest.raises(ValueError):
+        thread_count(0)

@@ -296,3 +296,22 @@ def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_di
         assert engine.generate("Hello", 2, None).output_ids == engine.generate("Hello", 2, SamplingParams()).output_ids
     finally:
         getattr(engine, "close", lambda: None)()
+
+
+def test_metrics_print_with_their_units_and_an_unknown_one_is_refused():
+    contracts = load_script("03_contracts")
+    metrics = contracts.RequestMetrics(throughput=3.24, input_tokens=12, output_tokens=40, ttft_ms=81.0)
+    assert engine_mod.metric_lines(metrics) == ["  throughput      3.2 tokens/s", "  input_tokens    12 tokens",
+                                                "  output_tokens   40 tokens", "  ttft_ms         81.0 ms"]
+
+    class Odd:
+        def as_dict(self):
+            return {"speed": 1.0}
+    with pytest.raises(ValueError, match="'speed' has no unit"):
+        engine_mod.metric_lines(Odd())
+
+
+def test_a_streamed_answer_prints_as_strip_would_and_returns_the_result(capsys):
+    result = object()
+    assert engine_mod.print_streamed(["  ", "Hello", " ", "world.\nNext", " line ", "\n", result]) is result
+    assert capsys.readouterr().out == "  Hello world.\n  Next line\n"

@@ -220,3 +220,10 @@ def test_fit_line_ignores_outliers_and_sums_to_a_parabola():
     intercept, slope = kv.fit_line(xs, ys)
     assert slope == pytest.approx(0.5) and intercept == pytest.approx(2.0)
     assert kv.predicted_seconds((2.0, 0.5), 1, 4) == pytest.approx(sum(2.0 + 0.5 * x for x in range(1, 5)))
+
+
+def test_the_fitted_line_reads_as_words_never_plus_minus():
+    assert kv.fit_description(0.2048, 0.0006607) == "step =  204.8 ms +   0.66 ms per token of context"
+    falling = kv.fit_description(0.1031, -0.0002742)
+    assert "+ -" not in falling and falling.startswith("step =  103.1 ms -   0.27 ms per token of context")
+    assert "noise" in falling

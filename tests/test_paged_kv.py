@@ -370,3 +370,8 @@ def test_real_model_greedy_equals_baseline(real_engine, default_model_dir, refer
     for prompt, got in zip(reference_prompts, batch):
         assert got.output_ids == real_engine.generate(prompt, 16).output_ids
     assert all_free(ours)
+
+
+def test_the_capacity_header_gives_the_pools_whole_blocks_as_the_engine_does():
+    header = demo.capacity_header(512 * 2**20, 46_080, 728, 16)
+    assert "11,650 token slots as regions, 11,648 in the pool's 728 whole blocks of 16" in header

@@ -458,3 +458,12 @@ def test_a_salt_keeps_equal_prompts_apart():
     assert m.allocate_prompt(2, tokens) == 0                         # no salt is a tenant of its own
     assert m.allocate_prompt(3, tokens, salt="tenant A") == 12       # same tenant: 3 full blocks
     assert m.can_allocate_prompt(tokens, "tenant A") and m.match(tokens)[0] == []
+
+
+def test_the_ttft_summary_names_the_reference_of_each_ratio():
+    demo = load_script("12_prefix_cache_demo")
+    against_first, against_off = demo.ttft_lines(1450.0, 139.0, 1357.0, 16)
+    assert "request 1 (nothing cached yet) 1450 ms; requests 2-16 139 ms on average, 0.10x request 1's" in against_first
+    assert against_off.endswith("139 ms with the cache, 1357 ms without it (0.10x)")
+    with pytest.raises(ValueError):
+        demo.ttft_lines(0.0, 139.0, 1357.0, 16)

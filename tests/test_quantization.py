@@ -391,6 +391,14 @@ def test_decode_rate_uses_tpot_or_takes_the_prefill_off(tiny_model_dir):
     assert 0 < demo16.decode_rate(NoTPOT(), "Hello", 16) < float("inf") and calls == [16, 1]
 
 
+def test_the_speed_summary_says_what_a_count_of_rounds_allows():
+    assert demo16.rounds_phrase(1) == "one round"
+    assert demo16.rounds_phrase(2) == "the mean of 2 rounds, engines alternating"
+    assert demo16.rounds_phrase(6) == "the median of 6 rounds, engines alternating"
+    with pytest.raises(ValueError):
+        demo16.rounds_phrase(0)
+
+
 def test_replot_reads_back_the_printed_table(capsys, tmp_path):
     """--replot redraws the plot from a saved run: the printed table parses back to its rows."""
     rows = [{"name": "float32", "mb": 538.0, "b1": 31.2, "b32": 112.0, "ppl": 19.764, "agree": 1.0,
@@ -399,7 +407,11 @@ def test_replot_reads_back_the_printed_table(capsys, tmp_path):
              "identical": 0, "prompts": 7},
             {"name": "HF generate (float32)", "mb": 538.0, "b1": 23.7}]
     demo16.print_table(rows)
-    back = demo16.rows_from_table(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    # The token share and the whole answers are two columns, never "18% (0/7)" read as one figure.
+    row = next(line for line in printed.splitlines() if line.startswith("  int4 g32, head int4"))
+    assert row.split()[-4:] == ["18%", "0", "of", "7"] and "/7)" not in printed
+    back = demo16.rows_from_table(printed)
     assert [(r["name"], r["b1"], r["b32"], r["ppl"]) for r in back] == [
         ("float32", 31.2, 112.0, 19.764), ("int4 g32, head int4", 108.8, 169.0, 21.247),
         ("HF generate (float32)", 23.7, None, None)]

@@ -106,3 +106,9 @@ def test_matmul_bound_counts_the_flops_it_times(tiny_model_dir):
     with FlopCounterMode(display=False) as counter, torch.inference_mode():
         bound.matmuls_ms(model, tokens=5, heads=2)
     assert counter.get_total_flops() == bound.matmul_flops(model, 5, 2)
+
+
+def test_measurements_in_a_log_are_plain_lines_without_carriage_returns(capsys):
+    roofline.best_time(lambda: None, torch.device("cpu"), 3, label="bandwidth")
+    err = capsys.readouterr().err   # captured: not a terminal, as in `python 08_roofline.py > log 2>&1`
+    assert "\r" not in err and err.startswith("[measure] bandwidth: best of 3 tries") and err.count("\n") == 1
