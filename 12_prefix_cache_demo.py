@@ -21,6 +21,7 @@ import time
 
 
 from kit import cli
+from minivllm.kv_cache import DEFAULT_BLOCK_SIZE
 
 setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
@@ -188,7 +189,7 @@ def main() -> None:
     cli.add_model_flags(parser, threads=True)
     parser.add_argument("--questions", type=int, default=16, help="how many of the 16 questions to send")
     parser.add_argument("--max-new-tokens", type=cli.integer(1, 4096), default=24)
-    parser.add_argument("--block-size", type=int, default=pc.paged.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="save TTFT per request, cache off and on")
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
