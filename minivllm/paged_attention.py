@@ -15,17 +15,14 @@ launch once and replay it with other rows, other lengths, other blocks.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from minivllm.kv_cache import KVPool, PagedBatch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:   # the CPU engine never needs it; the tests skip, the GPU image has it
-    triton = tl = None
+tl = None   # triton.language: Triton is imported on first use (see jitted), and only then
 
 TILE = 16   # keys read per loop iteration: a few vectors' worth, whatever the block size
 
@@ -72,11 +69,21 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
 # --8<-- [end:kernel]
 
 
+def has_triton() -> bool:
+    """Whether Triton is installed (the GPU image has it; the CPU engine never needs it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 @functools.cache
-def _jitted():
-    """The kernel, compiled by Triton on first use rather than at import: Triton decides when a
-    function is decorated whether to compile it or to interpret it on the CPU (TRITON_INTERPRET=1,
-    how the tests run it), so deciding late lets a test choose after the engine is imported."""
+def jitted():
+    """The kernel, handed to Triton on first use rather than at import. Triton decides when it is
+    imported whether its kernels compile for the GPU or run in its interpreter on the CPU
+    (TRITON_INTERPRET=1, how the tests run it): importing it late lets a test or a script choose
+    after the engine is imported."""
+    global tl
+    import triton
+    import triton.language
+    tl = triton.language     # the name the kernel's body reads
     return triton.jit(paged_decode_kernel)
 
 
@@ -93,7 +100,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
 
     One launch for the batch, of (rows x KV heads) programs; the shapes depend only on the batch
     size and the model, never on the lengths, so a CUDA graph can record it."""
-    if triton is None:
+    if not has_triton():
         raise RuntimeError("paged_decode needs Triton (pip install triton)")
     rows, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -103,7 +110,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
                          f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}; each innermost dimension must be contiguous")
     group = heads // kv_heads
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
-    _jitted()[(rows, kv_heads)](
+    jitted()[(rows, kv_heads)](
         q, k_pool, v_pool, block_tables, context_lens, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), out.stride(0),
         head_dim ** -0.5, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=next_power_of_2(group),
