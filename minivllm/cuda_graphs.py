@@ -118,12 +118,16 @@ class CUDAGraphRunner(ModelRunner):
             "token_ids": [r.tokens(s, 1)[0] for r, s in zip(requests, starts)] + [0] * pad,
             "positions": list(starts) + [0] * pad,
             "slots": [t[s // bs] * bs + s % bs for t, s in zip(places, starts)] + [scratch * bs] * pad,
-            "block_tables": [t + [scratch] * (self.width - len(t)) for t in places] + [[scratch] * self.width] * pad,
             "context_lens": [s + 1 for s in starts] + [1] * pad,
         }
         for name, rows in values.items():
             buffer = getattr(self.static, name)
             buffer[:size].copy_(torch.tensor(rows, dtype=buffer.dtype))   # same memory, new values
+        # Block tables: only the columns the longest table fills. Older entries to their right are
+        # blocks too, and lie past every row's context: attention never reads them.
+        used = max(len(t) for t in places)
+        tables = [t + [scratch] * (used - len(t)) for t in places] + [[scratch] * used] * pad
+        self.static.block_tables[:size, :used].copy_(torch.tensor(tables, dtype=torch.long))
         return size
     # --8<-- [end:fill]
 
