@@ -166,6 +166,9 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
     g.add_argument("--compile", action="store_true", default=None,
                    help="packed weights and fused ops via torch.compile (Chapter 13); "
                         "the first start compiles for a minute or two, later ones read inductor's cache")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs: every decode step launches its kernels one by one (Chapter 15); "
+                        "default: graphs on CUDA, eager elsewhere")
 
 
 class _OnlyGroup:

@@ -41,6 +41,8 @@ class EngineConfig:
     quant_head: str = "auto"
     compile: bool = False                       # packed weights, fused ops (Chapter 13)
     tensor_parallel_size: int | None = None     # N processes (Chapter 14); None: one process, no group
+    enforce_eager: bool | None = None           # True: no CUDA graphs; False: graphs (on the CPU, their
+                                                # padded path, run eagerly); None: graphs on CUDA (Chapter 15)
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int | None = None) -> None:
@@ -75,6 +77,12 @@ class EngineConfig:
         choice("quant_head", QUANT_HEADS)
         if self.tensor_parallel_size is not None:
             integer("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL)
+        if not isinstance(self.enforce_eager, (bool, type(None))):
+            raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
+        eager_only = [name for name in ("compile", "speculative", "tensor_parallel_size") if getattr(self, name)]
+        if self.enforce_eager is False and eager_only:
+            raise ValueError(f"enforce_eager=False (CUDA graphs, Chapter 15) does not combine with "
+                             f"{', '.join(eager_only)}: those steps run eagerly")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

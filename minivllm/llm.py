@@ -10,6 +10,7 @@ where the chapters meet. Each option becomes an object handed to the part that u
     speculative, ...                SpeculativeDecoding, a speculator for the step (Chapter 10)
     prefix_caching                  the block manager that remembers            (Chapter 8)
     structured output               StructuredOutput, handed to the output processor (Chapter 11)
+    enforce_eager                   CUDAGraphs, the model runner's decode steps (Chapter 15)
 
     from minivllm import LLM, SamplingParams
     with LLM(quant="int8", prefix_caching=True) as llm:
@@ -28,6 +29,7 @@ from minivllm.block_manager import BlockManager
 from minivllm.compile import Compile
 from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, EngineConfig
 from minivllm.contracts import GenerateResult, SamplingParams
+from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
 from minivllm.kv_cache import KVPool, blocks_in, describe
 from minivllm.model import ModelConfig
@@ -54,6 +56,15 @@ def weight_steps(config: EngineConfig) -> list:
     if config.compile:
         steps.append(Compile())
     return steps
+
+
+def decode_graphs(config: EngineConfig, device: torch.device, max_model_len: int) -> CUDAGraphs | None:
+    """Chapter 15: decode steps from CUDA graphs, by default wherever there is CUDA (on the CPU
+    only when asked, enforce_eager=False: the same padded path, run eagerly)."""
+    eager_only = config.compile or config.speculative or config.tensor_parallel_size is not None
+    if config.enforce_eager or (config.enforce_eager is None and (device.type != "cuda" or eager_only)):
+        return None
+    return CUDAGraphs(config.max_num_seqs, max_model_len)
 # --8<-- [end:features]
 
 
@@ -68,10 +79,11 @@ class LLM(LLMEngine):
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefix_caching: bool = False,
                  quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
-                 tensor_parallel_size: int | None = None, compile: bool = False, structured_output=None):
+                 tensor_parallel_size: int | None = None, compile: bool = False, structured_output=None,
+                 enforce_eager: bool | None = None):
         config = EngineConfig(kv_memory, block_size, prefix_caching, max_num_seqs, max_num_batched_tokens,
                               speculative, num_speculative_tokens, draft_model, quant, group_size, quant_head,
-                              compile, tensor_parallel_size)      # every option checked: nothing loaded yet
+                              compile, tensor_parallel_size, enforce_eager)  # every option checked: nothing loaded yet
         speculation = SpeculativeDecoding(speculative, num_speculative_tokens, draft_model) if speculative else None
         device = pick_device(device)
         folder = model_folder(model)
@@ -86,10 +98,13 @@ class LLM(LLMEngine):
             runner = parallel.start(folder, dtype, device, num_blocks, block_size, steps)
         else:
             weights = load_model(folder, dtype, device, steps)
-            runner = ModelRunner(weights, KVPool.from_memory(weights.config, kv_memory, block_size,
-                                                             weights.dtype, weights.device))
+            pool = KVPool.from_memory(weights.config, kv_memory, block_size, weights.dtype, weights.device)
+            graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
+            runner = graphs.runner(weights, pool) if graphs else ModelRunner(weights, pool)
         self._report(runner)
-        blocks = (PrefixCachingBlockManager if prefix_caching else BlockManager)(runner.kv.num_blocks, block_size)
+        # Chapter 15: a CUDA graph's padding rows write into the pool's last block, never handed out.
+        usable = runner.kv.num_blocks - (1 if isinstance(runner, CUDAGraphRunner) else 0)
+        blocks = (PrefixCachingBlockManager if prefix_caching else BlockManager)(usable, block_size)
         structured = StructuredOutput() if structured_output is None else structured_output
         output = OutputProcessor(tokenizer, eos_token_ids(folder, tokenizer), runner.model.config.vocab_size,
                                  device, structured)

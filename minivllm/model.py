@@ -219,6 +219,8 @@ class LlamaModel:
         q, k, v = qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, c.num_heads + c.num_kv_heads:]
         cache.k[i].index_copy_(0, batch.slots, k)      # the slot mapping: new K/V into the cache
         cache.v[i].index_copy_(0, batch.slots, v)
+        if hasattr(batch, "attend_in_place"):   # Chapter 15: a CUDA graph's decode rows read the pool in place
+            return self.linear(batch.attend_in_place(self, i, q, cache), p + "o")
         k, v = cache.context(i, batch)
         parts = [self.attend(q[tokens], k[rows, :part.context_len], v[rows, :part.context_len], part)
                  for rows, tokens, part in batch.parts]

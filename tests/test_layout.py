@@ -81,6 +81,7 @@ class Module:
 # chapter numbers: 01-06 are all Chapter 1, 07 is Chapter 2, number 08 holds two chapters told
 # apart by name (the KV cache, then the roofline), and from 09 on script NN is Chapter NN - 4.
 SHARED_NUMBER = {"08_kv_cache": 3, "08_roofline": 4}
+LAST_CHAPTER = 15   # Chapter 15, on a GPU (scripts 19_*)
 
 
 def book_chapter(name: str) -> int:
@@ -324,8 +325,8 @@ def test_every_numbered_script_has_a_chapter():
     for name, module in modules().items():
         if module.numbered:
             try:
-                if not 1 <= book_chapter(name) <= 14:
-                    problems.append(f"{module.rel}: chapter {book_chapter(name)} is not in the book (1-14)")
+                if not 1 <= book_chapter(name) <= LAST_CHAPTER:
+                    problems.append(f"{module.rel}: chapter {book_chapter(name)} is not in the book (1-{LAST_CHAPTER})")
             except ValueError as exc:
                 problems.append(str(exc))
     assert not problems, "\n".join(problems)
@@ -334,8 +335,8 @@ def test_every_numbered_script_has_a_chapter():
 def test_book_chapter_table():
     assert [book_chapter(n) for n in ("01_setup", "06_benchmark_online", "07_decode_loop", "08_kv_cache",
                                       "08_kv_cache_sizes", "08_roofline", "09_static_batching",
-                                      "13_matmul_bound", "16_quantization", "17_compile", "18_tensor_parallel")] \
-        == [1, 1, 2, 3, 3, 4, 5, 9, 12, 13, 14]
+                                      "13_matmul_bound", "16_quantization", "17_compile", "18_tensor_parallel", "19_gpu")] \
+        == [1, 1, 2, 3, 3, 4, 5, 9, 12, 13, 14, 15]
 
 
 def test_kit_imports_no_numbered_script():
@@ -359,7 +360,7 @@ def test_every_package_module_names_its_chapter():
         if not module.in_package or module.name in PACKAGE_SUPPORT | PACKAGE_ROOT:
             continue
         chapter = package_chapter(module)
-        if chapter is None or not 1 <= chapter <= 14:
+        if chapter is None or not 1 <= chapter <= LAST_CHAPTER:
             first = (ast.get_docstring(module.tree) or "(no docstring)").splitlines()[0][:80]
             problems.append(f"{module.rel}: its docstring must start 'Chapter N: ...' (got {first!r})")
     assert not problems, "\n".join(problems)

@@ -1,0 +1,160 @@
+"""Chapter 15: decode steps through CUDA graphs' static buffers, checked on the CPU.
+
+There is no graph to replay here; the runner takes the same path without it (pad to a bucket,
+fill the static buffers, run the model on them), so these tests check everything but the replay:
+the bucket table, what the buffers hold, that padding rows write only the scratch block, that
+the paged kernel (under Triton's interpreter) computes the step the CPU path computes, and that
+the engine's greedy tokens are the same with the path as without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # the paged kernel, if a test runs it, on the CPU
+
+import dataclasses
+
+import pytest
+import torch
+
+from minivllm import LLM
+from minivllm.config import EngineConfig
+from minivllm.contracts import SamplingParams
+from minivllm.cuda_graphs import CUDAGraphRunner, bucket_for, buckets
+from minivllm.kv_cache import KVPool
+from minivllm.llm import decode_graphs
+from minivllm.model_runner import ModelRunner, load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+BS = 4   # tokens per block in the runner tests: small, so that rows span several blocks
+
+
+class Tokens:
+    """All a runner's forward reads of a request: its token ids."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        return self.ids[start:start + n]
+
+
+def test_buckets():
+    assert buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert buckets(8) == [1, 2, 4, 8] and buckets(5) == [1, 2, 4, 5] and buckets(1) == [1]
+    assert [bucket_for(n, buckets(32)) for n in (1, 3, 5, 8, 9, 17, 25, 32)] == [1, 4, 8, 8, 16, 24, 32, 32]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def runners(model):
+    """A plain runner and a graph runner (max 8 rows, 32 tokens a row) on two equal pools of 12 blocks."""
+    pools = [KVPool(model.config, 12, BS) for _ in range(2)]
+    return ModelRunner(model, pools[0]), CUDAGraphRunner(model, pools[1], max_num_seqs=8, max_model_len=32)
+
+
+# Three sequences: their block tables (shuffled, ragged) and the prompts they prefill.
+TABLES = [[5, 2], [7], [0, 9, 3]]
+PROMPTS = [[11, 12, 13, 14, 15], [21, 22], [31, 32, 33, 34, 35, 36, 37, 38, 39]]
+
+
+def prefill_then_decode(runner):
+    """Prefill the three prompts (an eager step on either runner), then one decode step of a new
+    token each: returns the decode's logits."""
+    seqs = [Tokens(p + [100 + i]) for i, p in enumerate(PROMPTS)]
+    runner.forward(seqs, [0, 0, 0], [len(p) for p in PROMPTS], TABLES)
+    return runner.forward(seqs, [len(p) for p in PROMPTS], [1, 1, 1], TABLES)
+
+
+def test_static_buffers_hold_the_step_padded_to_its_bucket(model):
+    _, graphs = runners(model)
+    seqs = [Tokens(p + [100 + i]) for i, p in enumerate(PROMPTS)]
+    assert graphs.fill(seqs, [5, 2, 9], TABLES) == 4                  # 3 rows: the bucket of 4
+    s, scratch = graphs.static, 11                                   # the pool's last block
+    assert s.token_ids[:4].tolist() == [100, 101, 102, 0]
+    assert s.positions[:4].tolist() == [5, 2, 9, 0]
+    # position 5 is offset 1 of table[1] = block 2; 2 is offset 2 of block 7; 9 offset 1 of block 3
+    assert s.slots[:4].tolist() == [2 * BS + 1, 7 * BS + 2, 3 * BS + 1, scratch * BS]
+    assert s.context_lens[:4].tolist() == [6, 3, 10, 1]
+    assert s.block_tables.shape == (8, 8)                            # 32 tokens / 4: one width for all
+    assert s.block_tables[:4].tolist() == [[5, 2] + [scratch] * 6, [7] + [scratch] * 7,
+                                           [0, 9, 3] + [scratch] * 5, [scratch] * 8]
+
+
+def test_padding_rows_write_only_the_scratch_block(model):
+    plain, graphs = runners(model)
+    expected, logits = prefill_then_decode(plain), prefill_then_decode(graphs)
+    assert logits.shape == expected.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    scratch = slice(11 * BS, 12 * BS)
+    for layer in range(model.config.num_layers):
+        for mine, theirs in ((graphs.kv.k[layer], plain.kv.k[layer]), (graphs.kv.v[layer], plain.kv.v[layer])):
+            torch.testing.assert_close(mine[:scratch.start], theirs[:scratch.start], atol=1e-5, rtol=1e-5)
+            assert theirs[scratch].abs().sum() == 0                  # the plain runner never touches it
+            assert mine[scratch.start].abs().sum() > 0               # the padding row's key went there
+            assert mine[scratch.start + 1:].abs().sum() == 0         # and only there
+
+
+def test_the_paged_kernel_computes_the_cpu_paths_step(model):
+    """The GPU's attention (the Triton kernel, interpreted) inside the model's forward, on the
+    static buffers of a padded step, against the CPU path's gather + SDPA on the same buffers."""
+    pytest.importorskip("triton")
+    _, graphs = runners(model)
+    seqs = [Tokens(p + [100 + i]) for i, p in enumerate(PROMPTS)]
+    graphs.forward(seqs, [0, 0, 0], [len(p) for p in PROMPTS], TABLES)          # the prefill
+    size = graphs.fill(seqs, [len(p) for p in PROMPTS], TABLES)
+    pool_before = [k.clone() for k in graphs.kv.k]
+    on_cpu = model.forward(graphs.batches[size], graphs.kv, all_logits=True)
+    for k, before in zip(graphs.kv.k, pool_before):                 # the step wrote its keys; again is the same
+        k.copy_(before)
+    in_place = dataclasses.replace(graphs.batches[size], in_place=True)
+    torch.testing.assert_close(model.forward(in_place, graphs.kv, all_logits=True), on_cpu, atol=1e-5, rtol=1e-5)
+
+
+def test_other_steps_run_eagerly(model):
+    """Prefills, mixed steps, verifications and batches past the largest bucket leave the buffers alone."""
+    _, graphs = runners(model)
+    seqs = [Tokens(p + [100 + i]) for i, p in enumerate(PROMPTS)]
+    graphs.forward(seqs, [0, 0, 0], [len(p) for p in PROMPTS], TABLES)
+    graphs.forward(seqs[:2], [5, 0], [1, 2], TABLES[:2])                         # mixed
+    graphs.forward(seqs[:1], [4], [2], TABLES[:1], num_logits=[2])               # a verification
+    assert graphs.static.context_lens.tolist() == [1] * 8                        # untouched
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_greedy_tokens_are_the_same_with_the_graph_path(tiny_model_dir, prefix_caching, monkeypatch):
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4, 5,", "Hello",
+               "Write a haiku about the sea, in the style of a pirate who lost his ship"]
+    prompts += prompts[:2]                    # 7 rows: every decode step pads one row to the bucket of 8
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    options = dict(device="cpu", kv_memory=1 << 20, block_size=8, max_num_seqs=8, prefix_caching=prefix_caching)
+    with LLM(str(tiny_model_dir), **options) as plain:
+        assert type(plain.runner) is ModelRunner                     # on the CPU, eager by default
+        expected = [r.output_ids for r in plain.generate_batch(prompts, params=params)]
+    steps = []
+    fill = CUDAGraphRunner.fill
+    monkeypatch.setattr(CUDAGraphRunner, "fill", lambda self, *a: steps.append(fill(self, *a)) or steps[-1])
+    with LLM(str(tiny_model_dir), enforce_eager=False, **options) as graphs:
+        assert graphs.blocks.num_blocks == graphs.pool.num_blocks - 1     # the scratch block is never handed out
+        got = [r.output_ids for r in graphs.generate_batch(prompts, params=params)]
+    assert got == expected
+    assert steps.count(8) >= 11, steps                              # the decode steps took the padded path
+
+
+def test_enforce_eager_and_the_defaults():
+    config = EngineConfig()
+    assert decode_graphs(config, torch.device("cuda"), 512).max_num_seqs == 32     # graphs on CUDA by default
+    assert decode_graphs(config, torch.device("cpu"), 512) is None                 # eager elsewhere
+    assert decode_graphs(EngineConfig(enforce_eager=False), torch.device("cpu"), 512) is not None
+    assert decode_graphs(EngineConfig(enforce_eager=True), torch.device("cuda"), 512) is None
+    assert decode_graphs(EngineConfig(compile=True), torch.device("cuda"), 512) is None
+    assert decode_graphs(EngineConfig(speculative="ngram"), torch.device("cuda"), 512) is None
+    with pytest.raises(ValueError, match="enforce_eager=False .* does not combine with compile"):
+        EngineConfig(compile=True, enforce_eager=False)
+    with pytest.raises(ValueError, match="enforce_eager must be True, False or None"):
+        EngineConfig(enforce_eager="yes")
