@@ -42,7 +42,7 @@ class BaselineEngine(BaseOfflineEngine):
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, structured_output=None):
+                 dtype: torch.dtype | str | None = None, structured_output=None):
         self.model_name = model_name or os.environ.get(model_files.MODEL_ENV_VAR) or model_files.DEFAULT_MODEL
         self.device = model_files.pick_device(device)
         self.structured_output = structured_output   # Chapter 11's grammars, when whoever builds us passes them
@@ -243,7 +243,6 @@ def reference_prompts() -> list[str]:
     return json.loads(path.read_text())["prompts"]
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def demo_parser(description: str) -> argparse.ArgumentParser:
@@ -257,8 +256,8 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                        help="weights' precision: float32 everywhere; bfloat16/float16 halve memory on a GPU")
+    parser.add_argument("--dtype", default="auto", choices=model_files.DTYPE_NAMES,
+                        help="weights' precision (default auto: bfloat16 on a GPU, float32 elsewhere)")
     return parser
 
 
@@ -307,7 +306,7 @@ def demo(engine_class: type[BaseOfflineEngine], args: argparse.Namespace, **engi
     where the engine can stream) and [Metrics]. engine_kwargs: the engine's own features."""
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        engine = engine_class(args.model, device=args.device, dtype=DTYPES[args.dtype], **engine_kwargs)
+        engine = engine_class(args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
         prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
         print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
         print("\n[Output]")
@@ -332,7 +331,8 @@ def engine_main(engine_class: type[BaseOfflineEngine], description: str, **defau
     defaults: features switched on unless the command line says otherwise."""
     parser = demo_parser(description)
     takes = inspect.signature(engine_class).parameters
-    cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS if name in takes))
+    cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS   # --dtype: demo_parser's
+                                              if name in takes and name != "dtype"))
     parser.set_defaults(**defaults)
     args = parser.parse_args()
     return demo(engine_class, args, **cli.engine_options(args))

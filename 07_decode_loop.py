@@ -48,7 +48,7 @@ class DecodeLoopEngine(engine04.BaselineEngine):
     """Chapter 2: the same interface and results as BaselineEngine, with our own loop inside."""
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, structured_output=None):
+                 dtype: torch.dtype | str | None = None, structured_output=None):
         super().__init__(model_name, device, dtype, structured_output)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.vocab_size, self.device,
                                       structured_output)

@@ -44,7 +44,7 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
     """Chapter 5: generate_batch runs up to max_batch_size prompts through one decode loop."""
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_batch_size: int = 32, structured_output=None):
+                 dtype: torch.dtype | str | None = None, max_batch_size: int = 32, structured_output=None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         super().__init__(model_name, device, dtype, structured_output)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from minivllm.contracts import BaseOfflineEngine, GenerateResult, SamplingParams, check_prompts, is_integer
-from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device
+from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device, pick_dtype
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor, Request
 from minivllm.text import tokenize
@@ -41,7 +41,7 @@ class ModelEngine(BaseOfflineEngine):
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
+                 dtype: torch.dtype | str | None = None, max_num_seqs: int = 32,
                  kv_memory: int = DEFAULT_KV_MEMORY, weight_steps: Sequence = (), structured_output=None):
         for name, value in (("max_num_seqs", max_num_seqs), ("kv_memory", kv_memory)):
             if not is_integer(value) or value < 1:
@@ -52,7 +52,7 @@ class ModelEngine(BaseOfflineEngine):
         print(f"[engine] loading {self.model_name} into LlamaModel on {self.device} ...", flush=True)
         self.tokenizer = load_tokenizer(self.folder)
         # weight_steps: what happens to the weights once read (a format of Chapter 12, say)
-        model = load_model(self.folder, dtype, self.device, weight_steps)
+        model = load_model(self.folder, pick_dtype(dtype, self.device), self.device, weight_steps)
         self.runner = ModelRunner(model, kv=None)   # Chapter 6: a KV cache per batch, made in run()
         self.output = OutputProcessor(self.tokenizer, eos_token_ids(self.folder, self.tokenizer),
                                       model.config.vocab_size, self.device, structured_output)

@@ -32,7 +32,7 @@ class PagedEngine(engine10.ModelEngine):
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
+                 dtype: torch.dtype | str | None = None, max_num_seqs: int = 32,
                  kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
                  weight_steps: Sequence = (), structured_output=None):
         if not is_integer(block_size) or not 1 <= block_size <= 1024:

@@ -31,7 +31,7 @@ class PrefixCachingEngine(engine11.PagedEngine):
     block_manager = PrefixCachingBlockManager
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
+                 dtype: torch.dtype | str | None = None, max_num_seqs: int = 32,
                  kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefix_caching: bool = True, weight_steps: Sequence = (), structured_output=None):
         super().__init__(model_name, device, dtype, max_num_seqs, kv_memory, block_size, weight_steps,

@@ -308,7 +308,7 @@ def plot(runs: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Chapter 9: continuous batching on a mixed workload, traced.")
     cli.add_model_flags(parser)
-    parser.add_argument("--dtype", default="float32", choices=sorted(engine04.DTYPES))
+    parser.add_argument("--dtype", default="auto", choices=engine04.model_files.DTYPE_NAMES)
     parser.add_argument("--requests", type=cli.integer(1, 1000), default=None,
                         help="first N of the mixed workload (default 12)")
     parser.add_argument("--rate", type=cli.number(above=0), default=4.0,
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.requests = args.requests or (6 if args.small else 12)
     args.output_scale = args.output_scale or (0.125 if args.small else 0.25)
     try:
-        engine = TracedEngine(args.model, device=args.device, dtype=engine04.DTYPES[args.dtype],
+        engine = TracedEngine(args.model, device=args.device, dtype=args.dtype,
                               kv_memory=parse_bytes(args.kv_memory), max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens)
     except (ValueError, OSError) as exc:
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     arrivals = runs[0]["arrivals"]     # the step clock's arrivals, as they happened in seconds
     print_trace(runs[0], engine.blocks.num_blocks)
     if not args.no_compare:
-        static = static09.StaticBatchEngine(args.model, device=args.device, dtype=engine04.DTYPES[args.dtype],
+        static = static09.StaticBatchEngine(args.model, device=args.device, dtype=args.dtype,
                                             max_batch_size=args.max_num_seqs)
         static.generate("Hello", 2)
         runs.append(run_fifo(static, items, arrivals, params, args.max_num_seqs, "static"))

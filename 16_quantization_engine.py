@@ -31,7 +31,7 @@ class QuantizedEngine(engine10.ModelEngine):
     default_quant: str | None = None   # subclasses below pin a mode for `--engine` specs
 
     def __init__(self, model_name: str | None = None, device: str | None = None,
-                 dtype: torch.dtype = torch.float32, max_num_seqs: int = 32,
+                 dtype: torch.dtype | str | None = None, max_num_seqs: int = 32,
                  kv_memory: int = engine10.DEFAULT_KV_MEMORY, quant: str | None = None,
                  group_size: int | None = None, quant_head: str | None = None, structured_output=None):
         quant = quant or self.default_quant or os.environ.get("ENGINE_QUANT", "int8")

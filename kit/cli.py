@@ -15,6 +15,7 @@ from pathlib import Path
 
 from minivllm.config import (GROUP_SIZES, MAX_BLOCK_SIZE, MAX_SEQS, MAX_SPECULATIVE_TOKENS,  # noqa: F401
                              MAX_TENSOR_PARALLEL, QUANT_FORMATS, QUANT_HEADS, SPECULATIVE_METHODS, EngineConfig)
+from minivllm.model_files import DTYPE_NAMES
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
@@ -129,7 +130,7 @@ def byte_size(text: str) -> int:
 # Every feature of the assembled engine is one keyword of its constructor, and the same name
 # as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...). The names,
 # choices and bounds are the engine's own (minivllm/config.py): written once, read here.
-ENGINE_OPTIONS = EngineConfig.names()
+ENGINE_OPTIONS = (*EngineConfig.names(), "dtype")   # dtype: every engine's, from Chapter 1 on
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -138,6 +139,8 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
     `only`: the features a script's own engine has (its other flags are not offered)."""
     g = _OnlyGroup(parser.add_argument_group("engine features (the engine's constructor keywords of the same names)"),
                    only)
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                   help="the weights' and activations' precision (default auto: bfloat16 on a GPU, float32 elsewhere)")
     g.add_argument("--quant", choices=QUANT_FORMATS, default=None,
                    help="weight format (Chapter 12); default: the model's float32")
     g.add_argument("--group-size", type=integer(), choices=GROUP_SIZES, default=None,

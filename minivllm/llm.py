@@ -33,7 +33,8 @@ from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
 from minivllm.kv_cache import KVPool, blocks_in, describe
 from minivllm.model import ModelConfig
-from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device
+from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device,
+                                  pick_dtype)
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor, Request
 from minivllm.parallel_workers import TensorParallel
@@ -74,7 +75,7 @@ class LLM(LLMEngine):
     manager, and `close()`, which stops everything it started (its loop, its worker processes)."""
 
     # --8<-- [start:init]
-    def __init__(self, model: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32,
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
                  kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefix_caching: bool = False,
                  quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
@@ -86,6 +87,7 @@ class LLM(LLMEngine):
                               compile, tensor_parallel_size, enforce_eager)  # every option checked: nothing loaded yet
         speculation = SpeculativeDecoding(speculative, num_speculative_tokens, draft_model) if speculative else None
         device = pick_device(device)
+        dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         folder = model_folder(model)
         full = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
         num_blocks = blocks_in(full, kv_memory, block_size, dtype)   # a pool without one block: refused unloaded

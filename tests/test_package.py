@@ -80,3 +80,33 @@ def test_a_pool_too_small_for_one_block_is_refused_before_the_weights_load(tiny_
     with pytest.raises(ValueError, match="less than one block"):
         LLM(str(tiny_model_dir), device="cpu", kv_memory=1)
     assert loaded == []
+
+
+def test_the_default_precision_is_bfloat16_on_a_gpu_and_float32_elsewhere():
+    import torch
+
+    from minivllm.model_files import pick_dtype
+
+    assert pick_dtype(None, "cpu") is torch.float32 and pick_dtype("auto", torch.device("cpu")) is torch.float32
+    assert pick_dtype(None, "cuda") is torch.bfloat16 and pick_dtype("auto", "cuda:1") is torch.bfloat16
+    assert pick_dtype("float16", "cuda") is torch.float16 and pick_dtype(torch.bfloat16, "cpu") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        pick_dtype("float64", "cpu")
+
+
+def test_every_engine_takes_dtype_by_name(tiny_model_dir):
+    """--dtype reaches any engine through the same keyword: the server, both benchmarks and the
+    engine scripts pass the name; the engine resolves it where its weights load."""
+    import torch
+
+    from kit.engines import load_engine
+
+    for spec in ("04_engine:BaselineEngine", "10_model_engine:ModelEngine", "minivllm:LLM"):
+        engine = load_engine(spec, str(tiny_model_dir), device="cpu", dtype="bfloat16")
+        try:
+            model = engine.model if spec != "minivllm:LLM" else engine.runner.model
+            assert next(iter(p for p in model.parameters())).dtype is torch.bfloat16 if hasattr(model, "parameters") \
+                else model.dtype is torch.bfloat16, spec
+            assert engine.generate("Hello", 3, None).metrics.output_tokens >= 1
+        finally:
+            getattr(engine, "close", lambda: None)()
