@@ -46,6 +46,7 @@ import torch
 from kit import bench, cli, peers, progress
 from kit.bench import RequestRecord
 from kit.workloads import WorkItem, load_prompts, mixed_workload
+from minivllm.threads import thread_count
 
 setup = importlib.import_module("01_setup")
 engine_mod = importlib.import_module("04_engine")
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
                           args.peer_timeout, options, engines[0].tokenizer)
         engines, items, labels = engines + [peer], items + [items[0]], labels + [peer.name]
         runners.append(("all at once (median of its 3 passes)", peers.run_peer))
-        print(f"[peer] {peers.version(peer.venv)} from {peer.venv}, {peer.threads} threads, prefix caching "
+        print(f"[peer] {peers.version(peer.venv)} from {peer.venv}, {thread_count(peer.threads)}, prefix caching "
               f"{'on' if options.get('prefix_caching') else 'off'}; not passed on: "
               f"{', '.join(peer.describe()['not_passed_on']) or 'nothing'}", flush=True)
     try:   # a request the engine refuses (a prompt plus budget past the context) ends the run in one line

@@ -63,10 +63,10 @@ def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads"
+                return f"{line.split(':', 1)[1].strip()}, {thread_count()}"
     except OSError:
         pass
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{platform.processor() or platform.machine()}, {thread_count()}"
 
 
 def thread_count(n: int | None = None) -> str:
