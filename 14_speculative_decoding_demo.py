@@ -197,8 +197,9 @@ def main() -> None:
     parser.add_argument("--plot", type=cli.plot_file(), default=None, help="draw speed-up and acceptance against k")
     args = parser.parse_args()
     cpu = threads.cpu_name()
-    plain = cb.ContinuousBatchingEngine(args.model)
-    engines = {m: cb.ContinuousBatchingEngine(args.model, speculative=m) for m in spec.METHODS}
+    # The CPU's story (Chapter 4's ridge point): every engine here, and HF's, runs on the CPU.
+    plain = cb.ContinuousBatchingEngine(args.model, device="cpu")
+    engines = {m: cb.ContinuousBatchingEngine(args.model, device="cpu", speculative=m) for m in spec.METHODS}
     if args.part in ("all", "trace"):
         chat = workloads.load_prompts(WORKLOADS["input-grounded"])[args.trace_prompt]["messages"]
         for method, title in (("ngram", "prompt lookup"), ("draft", "the int4 self-draft")):
@@ -226,7 +227,7 @@ def table(plain, engines: dict, args, cpu: str) -> dict:
         prompts = [engine04.render_chat(plain.tokenizer, p["messages"]) for p in workloads.load_prompts(path, args.prompts)]
         results[name] = sweep(plain, engines, prompts, args.ks, args.max_new_tokens)
         if not args.no_hf:
-            results[name] += hf_reference(engine04.BaselineEngine(args.model), prompts, args.ks, args.max_new_tokens)
+            results[name] += hf_reference(engine04.BaselineEngine(args.model, device="cpu"), prompts, args.ks, args.max_new_tokens)
     print(f"\n[batch 1, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens each, "
           f"speed-up over the same engine without speculation (HF: over plain generate); {cpu}]")
     print(f"  {'workload':<15} {'drafter':<20} {'k':>2}  {'kept':>5}  {'tokens/forward':>14}  {'speed-up':>8}")

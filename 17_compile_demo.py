@@ -29,6 +29,7 @@ import torch
 
 from kit import cli
 from minivllm import threads as cpu_threads
+from minivllm.quantization import WeightFormat
 
 setup = importlib.import_module("01_setup")
 paged = importlib.import_module("11_paged_kv")
@@ -158,7 +159,7 @@ def apart(folder, args) -> None:
           f"{'floor':>8}{'in place':>10}   ms")
     rows = []
     for quant in args.formats:
-        eager = runner10.load_model(folder, quant=None if quant == "none" else quant)
+        eager = runner10.load_model(folder, features=[] if quant == "none" else [WeightFormat(quant)])
         compiled = compile17.compile_model(eager)
         c = eager.config
         pool = paged.KVPool.from_memory(c, (max(args.batch_sizes) * (args.context + 32) + 64)
@@ -179,8 +180,9 @@ def apart(folder, args) -> None:
                 r = rows[-1]
                 print(f"{r['format']:<8}{b:>6}  {mode:<9}{step:>8.1f}{mm:>9.1f}{att:>10.1f}{r['rest']:>8.1f}"
                       f"{floor:>8.1f}" + (f"{paged_ms:>10.1f}" if paged_ms else ""), flush=True)
-        print(f"  {rows[-4]['format']}: compiled step {rows[-4]['step'] / rows[-3]['step']:.2f}x eager at batch "
-              f"{args.batch_sizes[0]}, {rows[-2]['step'] / rows[-1]['step']:.2f}x at batch {args.batch_sizes[-1]}")
+        mine = [r for r in rows if r["format"] == quant.replace("none", "float32")]   # (eager, compiled) per batch
+        speedups = [f"{e['step'] / c['step']:.2f}x eager at batch {e['batch']}" for e, c in zip(mine[::2], mine[1::2])]
+        print(f"  {mine[0]['format']}: compiled step {', '.join([speedups[0], speedups[-1]][:len(speedups)])}")
     if args.plot:
         plot(rows, args.plot)
 
