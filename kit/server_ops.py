@@ -33,6 +33,8 @@ import hmac
 import json
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -570,17 +572,31 @@ def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
             if not ops.shutting_down:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(ops.shutdown()))
             super().handle_exit(sig, frame)
-            # uvicorn re-raises the signal after its shutdown (exit code -15); a clean drain exits 0.
-            self._captured_signals.clear()
 
     # uvicorn's own grace is a backstop a little after ours, for anything that ignores cancellation.
     # timeout_keep_alive closes an idle connection; a body that stops half-way is --body-timeout's.
     config = uvicorn.Config(app, host=host, port=port, access_log=False, timeout_keep_alive=5,
                             timeout_graceful_shutdown=int(ops.shutdown_grace) + 5)
+    server = Server(config)
+
+    def handed_back(sig, frame) -> None:
+        # After its shutdown uvicorn (0.29 on) puts back the handlers it found and raises the
+        # signal again, so that by default the process dies of it (exit code -15). The handler
+        # it finds is this one: the drain went well, and the process goes on to exit 0. A signal
+        # in the moment before uvicorn takes over lands here too, and stops the server.
+        server.should_exit = True
+
+    # Only the main thread may set handlers (a test may serve from another: uvicorn skips its own there).
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, handed_back) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    loop.run_until_complete(Server(config).serve())
-    loop.close()
+    try:
+        loop.run_until_complete(server.serve())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        loop.close()
 # --8<-- [end:serve]
 
 
