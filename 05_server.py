@@ -358,7 +358,7 @@ def main() -> None:
         engine = engine_lib.load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
     except ValueError as exc:
         parser.error(str(exc))
-    print(f"[server] {args.engine} on http://{args.host}:{args.port}/v1", flush=True)
+    print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
         server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server

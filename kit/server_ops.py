@@ -30,10 +30,12 @@ import collections
 import contextlib
 import contextvars
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -436,6 +438,60 @@ def served_hosts(bound: str, allowed: str | None) -> tuple[str, ...] | None:
     if bound.strip() in WILDCARD_HOSTS:
         return None
     return (*LOOPBACK_HOSTS, bound)
+
+
+# --8<-- [start:urls]
+def lan_addresses(family: int = socket.AF_INET) -> list[str]:
+    """This machine's addresses that another machine on the network can reach, best first.
+
+    Two ways, both with no traffic: the address the machine would send from to reach the
+    outside (a UDP socket's connect only picks a route; nothing is sent), then every address
+    its host name resolves to. Loopback ones (127.x, ::1; Debian maps the host name to
+    127.0.1.1) and IPv6 link-local ones (fe80::, which need an interface name) reach nobody."""
+    found = []
+    probe = "10.255.255.255" if family == socket.AF_INET else "2001:db8::1"   # never answered, never sent to
+    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect((probe, 9))
+        found.append(sock.getsockname()[0])
+    with contextlib.suppress(OSError):   # no name service (an offline laptop): the route's answer, or none
+        found += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, family)]
+    reachable = [a for a in found if not ipaddress.ip_address(a.split("%")[0]).is_loopback
+                 and not ipaddress.ip_address(a.split("%")[0]).is_link_local]
+    return list(dict.fromkeys(reachable))   # without repeats, in the order found
+
+
+def url_host(address: str) -> str:
+    """An address as a URL writes it: an IPv6 one in brackets (http://[fd00::2]:8001/)."""
+    address = address.strip().strip("[]")
+    return f"[{address}]" if ":" in address else address
+
+
+def page_urls(host: str, port: int, addresses: Callable[[int], list[str]] = lan_addresses) -> list[str]:
+    """The page's URL(s) to give students. Bound to every interface (0.0.0.0, or :: for IPv6 too),
+    the server has no one name: each LAN address is a URL (an empty list: nothing but this machine
+    reaches it). Bound to one address, that address (127.0.0.1: this machine only)."""
+    if host.strip() in WILDCARD_HOSTS:
+        families = (socket.AF_INET, socket.AF_INET6) if ":" in host else (socket.AF_INET,)
+        return [f"http://{url_host(a)}:{port}/" for family in families for a in addresses(family)]
+    return [f"http://{url_host(host)}:{port}/"]
+
+
+def startup_lines(engine_spec: str, host: str, port: int, api_key: str | None = None,
+                  addresses: Callable[[int], list[str]] = lan_addresses) -> str:
+    """What the server prints as it starts: the URL(s) students open, and the API's base URL."""
+    urls = page_urls(host, port, addresses)
+    every = host.strip() in WILDCARD_HOSTS
+    lines = [f"[server] {engine_spec} on " + (f"every interface, port {port}" if every else f"{url_host(host)}:{port}")]
+    if every and not urls:
+        lines.append("[server] no network address found: only this machine reaches the page")
+    lines += [f"[server] {'the page' if i == 0 else '      or'}: {u}" for i, u in enumerate(urls)]
+    if every:   # the instructor's own browser, whatever the network
+        lines.append(f"[server] on this machine: http://127.0.0.1:{port}/")
+    lines.append(f"[server] API base URL: {(urls or [f'http://127.0.0.1:{port}/'])[0]}v1")
+    if api_key:
+        lines.append("[server] --api-key is set: the page asks for the key once; give it to the class")
+    return "\n".join(lines)
+# --8<-- [end:urls]
 
 
 def engine_load(engine) -> tuple[int, int]:
