@@ -16,7 +16,6 @@ in one place that `make_app` installs with one call:
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - One access-log line per request (never the prompt text; control characters escaped).
 - The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler.
-- `LazyApp`, so that `uvicorn 05_server:app` loads the model when it starts, not at import.
 
 One ASGI middleware times every request at the HTTP boundary, and the endpoints tell it the
 token counts they already hold (`piece_sent`, `answered`), so nothing they wrote is parsed again.
@@ -654,21 +653,3 @@ def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
             signal.signal(sig, handler)
         loop.close()
 # --8<-- [end:serve]
-
-
-# --8<-- [start:lazy-app]
-class LazyApp:
-    """An ASGI app that builds the real one on its first call: uvicorn's lifespan startup, or the
-    first request where lifespan is off. `uvicorn 05_server:app` then finds `app` at import and
-    loads the model when it starts serving, and importing 05_server loads nothing."""
-
-    def __init__(self, build: Callable[[], Callable]):
-        self.build, self.app = build, None
-
-    async def __call__(self, scope, receive, send):
-        if self.app is None:
-            # Synchronously: nothing is served before it exists (uvicorn opens its sockets after
-            # the lifespan startup), and one event loop cannot run this twice at once.
-            self.app = self.build()
-        await self.app(scope, receive, send)
-# --8<-- [end:lazy-app]
