@@ -15,7 +15,8 @@ in one place that `make_app` installs with one call:
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - One access-log line per request (never the prompt text; control characters escaped).
-- The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler.
+- The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler, and
+  the URLs to give a class, printed as the server starts (`startup_lines`).
 
 One ASGI middleware times every request at the HTTP boundary, and the endpoints tell it the
 token counts they already hold (`piece_sent`, `answered`), so nothing they wrote is parsed again.

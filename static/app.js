@@ -26,7 +26,7 @@ async function call(route, options = {}) {
   const form = $("key-form"), wasHidden = form.hidden;
   form.hidden = refused.size === 0;
   $("key-notice").textContent = apiKey
-    ? "The server refused this API key. Check it and type it again:"
+    ? "The server refused this API key (for " + [...refused].join(", ") + "). Check it and type it again:"
     : "This server needs an API key (it was started with --api-key). Type the one you were given:";
   if (wasHidden && !form.hidden && document.activeElement !== $("prompt")) $("api-key").focus();
   return r;
