@@ -449,7 +449,7 @@ def lan_addresses(family: int = socket.AF_INET) -> list[str]:
     its host name resolves to. Loopback ones (127.x, ::1; Debian maps the host name to
     127.0.1.1) and IPv6 link-local ones (fe80::, which need an interface name) reach nobody."""
     found = []
-    probe = "10.255.255.255" if family == socket.AF_INET else "2001:db8::1"   # never answered, never sent to
+    probe = "198.51.100.1" if family == socket.AF_INET else "2001:db8::1"   # documentation addresses: nobody's
     with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect((probe, 9))
         found.append(sock.getsockname()[0])
