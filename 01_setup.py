@@ -35,27 +35,45 @@ REPO_ROOT = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------- the checklist
-def _requirements() -> list[tuple[str, str]]:
-    """(distribution, minimum version) for every dependency in pyproject.toml."""
-    import re
+def _requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list:
+    """Every dependency in pyproject.toml (the main list and the extras) as a `packaging`
+    Requirement: pip's own parser, so `>=`, `==`, ranges and markers all read as pip reads them."""
     import tomllib
 
-    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    project = tomllib.loads(pyproject.read_text())["project"]
     specs = list(project["dependencies"])
     for extra in project.get("optional-dependencies", {}).values():
         specs += extra
-    pairs = []
+    requirements = []
     for spec in specs:
-        match = re.match(r"([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)", spec)
-        if match:
-            pairs.append((match.group(1), match.group(2)))
-    return pairs
+        try:
+            req = Requirement(spec)
+        except InvalidRequirement as exc:
+            raise ValueError(f"{pyproject.name}: {spec!r} is not a requirement pip can read: {exc}") from None
+        if req.marker is None or req.marker.evaluate():   # e.g. "; sys_platform == 'linux'" elsewhere
+            requirements.append(req)
+    return requirements
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    import re
+def check_requirement(req, have: str | None) -> tuple[bool, str, str]:
+    """One checklist line for a requirement, given the version installed (None: missing).
 
-    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+    `packaging` orders versions as pip does: 1.0rc1 comes before 1.0, so it does not satisfy
+    >=1.0. A pre-release that is new enough (a torch nightly, 2.6.0.dev2024...) does satisfy
+    >=2.4: pip would not pick one by itself, but one already installed is fine."""
+    from packaging.version import InvalidVersion, Version
+
+    fix = f"pip install '{req}'  (or: make install)"
+    need = f"need {req.specifier}" if req.specifier else "need any version"
+    if have is None:
+        return False, f"{req.name} missing ({need})", fix
+    try:
+        ok = req.specifier.contains(Version(have), prereleases=True)
+    except InvalidVersion:   # a version no specifier can order (a locally hacked build)
+        return False, f"{req.name} {have} is not a version pip can compare ({need})", fix
+    return ok, f"{req.name} {have} ({need})", fix
 
 
 # The CPU instructions that decide how fast matrix maths runs on a CPU: AVX2 is the floor
@@ -85,15 +103,18 @@ def run_checks(fetch_model: bool = True) -> list[tuple[bool, str, str]]:
     py = sys.version_info
     checks.append((py >= (3, 11), f"Python {py.major}.{py.minor}.{py.micro} (need >= 3.11)",
                    "install Python 3.11 or newer"))
-    for dist, minimum in _requirements():
+    try:
+        requirements = _requirements()
+    except ImportError:   # the checklist reads requirements with `packaging`: without it, say so
+        requirements = []
+        checks.append((False, "packaging missing: the checklist needs it to read pyproject.toml",
+                       "pip install packaging  (or: make install)"))
+    for req in requirements:
         try:
-            have = importlib.metadata.version(dist)
-            ok = _version_tuple(have) >= _version_tuple(minimum)
-            checks.append((ok, f"{dist} {have} (need >= {minimum})",
-                           f"pip install -U '{dist}>={minimum}'  (or: make install)"))
+            have = importlib.metadata.version(req.name)
         except importlib.metadata.PackageNotFoundError:
-            checks.append((False, f"{dist} missing (need >= {minimum})",
-                           f"pip install '{dist}>={minimum}'  (or: make install)"))
+            have = None
+        checks.append(check_requirement(req, have))
     try:
         from minivllm.threads import thread_count   # imports torch: inside the check, like torch itself
 

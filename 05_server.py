@@ -7,7 +7,7 @@ the tokenizer (for the chat template) and, where an engine has it, `generate_str
 
     python 05_server.py --port 8001                    # Chapter 1's BaselineEngine
     python 05_server.py --port 8001 --engine 04_engine:BaselineEngine --model SmolLM2-135M-Instruct
-    ENGINE_CLASS=04_engine:BaselineEngine uvicorn 05_server:app --port 8001
+    ENGINE_CLASS=04_engine:BaselineEngine uvicorn --factory 05_server:create_app --port 8001
     python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 512MB --quant int8
     curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
@@ -329,13 +329,17 @@ async def last(produced: AsyncIterator):
 
 
 # --8<-- [start:uvicorn-app]
-def app_from_env() -> FastAPI:
-    """The engine named by ENGINE_CLASS and ENGINE_MODEL (default: Chapter 1's) behind the API."""
-    return make_app(engine_lib.load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
-                                           os.environ.get("ENGINE_MODEL")))
+def create_app() -> FastAPI:
+    """For `uvicorn --factory 05_server:create_app`: the engine named by ENGINE_CLASS and
+    ENGINE_MODEL (default: Chapter 1's) behind the API, keyed by ENGINE_API_KEY if set.
 
-
-app = server_ops.LazyApp(app_from_env)   # for `uvicorn 05_server:app`: the model loads when it starts
+    uvicorn calls the factory once as it starts, before it opens its socket: a model that fails
+    to load stops the server there, with its error, and importing 05_server (the tests build
+    apps around tiny engines) loads no model."""
+    engine = engine_lib.load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE), os.environ.get("ENGINE_MODEL"))
+    ops = server_ops.ServerOps(api_key=os.environ.get("ENGINE_API_KEY") or None,
+                               metrics_key=os.environ.get("ENGINE_METRICS_KEY") or None)
+    return make_app(engine, ops=ops)
 # --8<-- [end:uvicorn-app]
 
 
@@ -363,7 +367,7 @@ def main() -> None:
         engine = engine_lib.load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
     except ValueError as exc:
         parser.error(str(exc))
-    print(f"[server] {args.engine} on http://{args.host}:{args.port}/v1", flush=True)
+    print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
         server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server

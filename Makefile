@@ -36,11 +36,12 @@ test-fast: install
 book-outputs: model
 	$(PY) scripts/capture_outputs.py
 
+# Material prints an end-of-life banner on every mkdocs run; the variable is its documented off switch.
 book: install
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 book-build: install
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) site .pytest_cache

@@ -15,8 +15,8 @@ in one place that `make_app` installs with one call:
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - One access-log line per request (never the prompt text; control characters escaped).
-- The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler.
-- `LazyApp`, so that `uvicorn 05_server:app` loads the model when it starts, not at import.
+- The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler, and
+  the URLs to give a class, printed as the server starts (`startup_lines`).
 
 One ASGI middleware times every request at the HTTP boundary, and the endpoints tell it the
 token counts they already hold (`piece_sent`, `answered`), so nothing they wrote is parsed again.
@@ -30,10 +30,14 @@ import collections
 import contextlib
 import contextvars
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -472,6 +476,60 @@ def served_hosts(bound: str, allowed: str | None) -> tuple[str, ...] | None:
     return (*LOOPBACK_HOSTS, bound)
 
 
+# --8<-- [start:urls]
+def lan_addresses(family: int = socket.AF_INET) -> list[str]:
+    """This machine's addresses that another machine on the network can reach, best first.
+
+    Two ways, both with no traffic: the address the machine would send from to reach the
+    outside (a UDP socket's connect only picks a route; nothing is sent), then every address
+    its host name resolves to. Loopback ones (127.x, ::1; Debian maps the host name to
+    127.0.1.1) and IPv6 link-local ones (fe80::, which need an interface name) reach nobody."""
+    found = []
+    probe = "198.51.100.1" if family == socket.AF_INET else "2001:db8::1"   # documentation addresses: nobody's
+    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect((probe, 9))
+        found.append(sock.getsockname()[0])
+    with contextlib.suppress(OSError):   # no name service (an offline laptop): the route's answer, or none
+        found += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, family)]
+    reachable = [a for a in found if not ipaddress.ip_address(a.split("%")[0]).is_loopback
+                 and not ipaddress.ip_address(a.split("%")[0]).is_link_local]
+    return list(dict.fromkeys(reachable))   # without repeats, in the order found
+
+
+def url_host(address: str) -> str:
+    """An address as a URL writes it: an IPv6 one in brackets (http://[fd00::2]:8001/)."""
+    address = address.strip().strip("[]")
+    return f"[{address}]" if ":" in address else address
+
+
+def page_urls(host: str, port: int, addresses: Callable[[int], list[str]] = lan_addresses) -> list[str]:
+    """The page's URL(s) to give students. Bound to every interface (0.0.0.0, or :: for IPv6 too),
+    the server has no one name: each LAN address is a URL (an empty list: nothing but this machine
+    reaches it). Bound to one address, that address (127.0.0.1: this machine only)."""
+    if host.strip() in WILDCARD_HOSTS:
+        families = (socket.AF_INET, socket.AF_INET6) if ":" in host else (socket.AF_INET,)
+        return [f"http://{url_host(a)}:{port}/" for family in families for a in addresses(family)]
+    return [f"http://{url_host(host)}:{port}/"]
+
+
+def startup_lines(engine_spec: str, host: str, port: int, api_key: str | None = None,
+                  addresses: Callable[[int], list[str]] = lan_addresses) -> str:
+    """What the server prints as it starts: the URL(s) students open, and the API's base URL."""
+    urls = page_urls(host, port, addresses)
+    every = host.strip() in WILDCARD_HOSTS
+    lines = [f"[server] {engine_spec} on " + (f"every interface, port {port}" if every else f"{url_host(host)}:{port}")]
+    if every and not urls:
+        lines.append("[server] no network address found: only this machine reaches the page")
+    lines += [f"[server] {'the page' if i == 0 else '      or'}: {u}" for i, u in enumerate(urls)]
+    if every:   # the instructor's own browser, whatever the network
+        lines.append(f"[server] on this machine: http://127.0.0.1:{port}/")
+    lines.append(f"[server] API base URL: {(urls or [f'http://127.0.0.1:{port}/'])[0]}v1")
+    if api_key:
+        lines.append("[server] --api-key is set: the page asks for the key once; give it to the class")
+    return "\n".join(lines)
+# --8<-- [end:urls]
+
+
 def engine_load(engine) -> tuple[int, int]:
     """A batching engine's requests: (running, waiting) as its stats() counts them."""
     stats = engine.stats()
@@ -621,33 +679,29 @@ def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
             if not ops.shutting_down:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(ops.shutdown()))
             super().handle_exit(sig, frame)
-            # uvicorn re-raises the signal after its shutdown (exit code -15); a clean drain exits 0.
-            self._captured_signals.clear()
 
     # uvicorn's own grace is a backstop a little after ours, for anything that ignores cancellation.
     # timeout_keep_alive closes an idle connection; a body that stops half-way is --body-timeout's.
     config = uvicorn.Config(app, host=host, port=port, access_log=False, timeout_keep_alive=5,
                             timeout_graceful_shutdown=int(ops.shutdown_grace) + 5)
+    server = Server(config)
+
+    def handed_back(sig, frame) -> None:
+        # After its shutdown uvicorn (0.29 on) puts back the handlers it found and raises the
+        # signal again, so that by default the process dies of it (exit code -15). The handler
+        # it finds is this one: the drain went well, and the process goes on to exit 0. A signal
+        # in the moment before uvicorn takes over lands here too, and stops the server.
+        server.should_exit = True
+
+    # Only the main thread may set handlers (a test may serve from another: uvicorn skips its own there).
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, handed_back) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    loop.run_until_complete(Server(config).serve())
-    loop.close()
+    try:
+        loop.run_until_complete(server.serve())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        loop.close()
 # --8<-- [end:serve]
-
-
-# --8<-- [start:lazy-app]
-class LazyApp:
-    """An ASGI app that builds the real one on its first call: uvicorn's lifespan startup, or the
-    first request where lifespan is off. `uvicorn 05_server:app` then finds `app` at import and
-    loads the model when it starts serving, and importing 05_server loads nothing."""
-
-    def __init__(self, build: Callable[[], Callable]):
-        self.build, self.app = build, None
-
-    async def __call__(self, scope, receive, send):
-        if self.app is None:
-            # Synchronously: nothing is served before it exists (uvicorn opens its sockets after
-            # the lifespan startup), and one event loop cannot run this twice at once.
-            self.app = self.build()
-        await self.app(scope, receive, send)
-# --8<-- [end:lazy-app]

@@ -108,7 +108,7 @@ def page_counts(driver) -> dict:
 
 
 def save(driver, path: str) -> None:
-    """The window, cut just below the scheduler's panel (the chat box below it is not the picture)."""
+    """The window, cut just below the scheduler's panel (the chat beside it stays in the picture)."""
     from PIL import Image
 
     driver.save_screenshot(path)

@@ -5,24 +5,51 @@ const $ = (id) => document.getElementById(id);
 const HISTORY = 60;              // bars in the batch-size chart
 const batches = [];
 
+// A server started with --api-key answers 401 to the chat and, unless it has a --metrics-key,
+// to both pollers. The key lives in sessionStorage: typed once per tab, kept across reloads,
+// and gone when the tab closes (a classroom's shared machines should not keep it).
+let apiKey = sessionStorage.getItem("apiKey") || "";
+const refused = new Set();   // the routes whose last answer was a 401
+
 function headers() {
   const h = { "Content-Type": "application/json" };
-  const key = $("api-key").value || localStorage.getItem("apiKey");
-  if (key) h["Authorization"] = "Bearer " + key;
+  if (apiKey) h["Authorization"] = "Bearer " + apiKey;
   return h;
 }
 
+// Every request goes through here: a 401 from any of them shows the key field at once, and the
+// notice goes away when every route that refused has answered since.
+async function call(route, options = {}) {
+  const r = await fetch(route, { ...options, headers: headers() });
+  const path = route.split("?")[0];
+  if (r.status === 401) refused.add(path); else refused.delete(path);
+  const form = $("key-form"), wasHidden = form.hidden;
+  form.hidden = refused.size === 0;
+  $("key-notice").textContent = apiKey
+    ? "The server refused this API key (for " + [...refused].join(", ") + "). Check it and type it again:"
+    : "This server needs an API key (it was started with --api-key). Type the one you were given:";
+  if (wasHidden && !form.hidden && document.activeElement !== $("prompt")) $("api-key").focus();
+  return r;
+}
+
+$("key-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  apiKey = $("api-key").value.trim();
+  sessionStorage.setItem("apiKey", apiKey);
+  $("api-key").value = "";
+  tick();   // the pollers try the key at once, not at their next tick
+});
+
 async function ask(prompt) {
   $("answer").textContent = ""; $("ttft").textContent = "…"; $("rate").textContent = "…";
-  if ($("api-key").value) localStorage.setItem("apiKey", $("api-key").value);
   const start = performance.now();
   let first = null, pieces = 0, tokens = null;
-  const r = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(
+  const r = await call("/v1/chat/completions", { method: "POST", body: JSON.stringify(
     { messages: [{ role: "user", content: prompt }], max_tokens: 128, stream: true }) });
   if (!r.ok) {
     const err = await r.json().catch(() => ({}));
-    if (r.status === 401) $("api-key").hidden = false;
     $("answer").textContent = "Error " + r.status + ": " + ((err.error || {}).message || r.statusText);
+    $("ttft").textContent = "-"; $("rate").textContent = "-";
     return;
   }
   const reader = r.body.getReader(), decoder = new TextDecoder();
@@ -41,6 +68,7 @@ async function ask(prompt) {
       if (piece) {
         if (first === null) { first = performance.now(); $("ttft").textContent = Math.round(first - start) + " ms"; }
         $("answer").textContent += piece; pieces++;
+        $("answer").scrollTop = $("answer").scrollHeight;   // a long answer scrolls in its box: the chat stays in view
       }
       if (obj.metrics) tokens = obj.metrics.output_tokens;
     }
@@ -74,7 +102,9 @@ function drawBars() {
 
 async function poll() {
   try {
-    const s = await (await fetch("/engine/stats", { headers: headers() })).json();
+    const r = await call("/engine/stats");
+    if (!r.ok) return;   // 401: the key field is up; anything else: try again on the next tick
+    const s = await r.json();
     $("engine-name").textContent = s.engine;
     if (s.features) { $("features").hidden = false; $("features").textContent = describeFeatures(s.features); }
     for (const k of ["waiting", "running", "served"]) $(k).textContent = s[k];
@@ -148,7 +178,9 @@ function drawBlocks(b) {
 
 async function pollScheduler() {
   try {
-    const s = await (await fetch("/engine/scheduler?since=" + lastStep, { headers: headers() })).json();
+    const r = await call("/engine/scheduler?since=" + lastStep);
+    if (!r.ok) return;
+    const s = await r.json();
     if (s.available === null) return;   // a first step still running: ask again
     scheduling = !!s.available;
     $("scheduler").hidden = !scheduling;
@@ -167,5 +199,13 @@ async function pollScheduler() {
 
 $("ask").addEventListener("submit", (e) => { e.preventDefault(); ask($("prompt").value); });
 // Twice a second; the next poll starts when this one has ended, so a slow server never piles them up.
-async function tick() { await Promise.all([pollScheduler(), poll()]); setTimeout(tick, 500); }
+// A key typed in starts the next one at once, or right after the one in flight.
+let polling = false, again = false, timer = null;
+async function tick() {
+  clearTimeout(timer);
+  if (polling) { again = true; return; }
+  polling = true;
+  try { await Promise.all([pollScheduler(), poll()]); } finally { polling = false; }
+  timer = setTimeout(tick, again ? 0 : 500); again = false;
+}
 tick();

@@ -95,6 +95,39 @@ def test_page_shows_the_engines_features(browser, tiny_engine):
                              "max num seqs 32 · max num batched tokens 256")
 
 
+def test_a_keyed_server_asks_for_its_key_before_any_send(browser, tiny_engine):
+    """Under --api-key both pollers get a 401: the page says so and shows the key field at once,
+    before anyone presses Send; once the key is typed the panel fills in, and the tab keeps it."""
+    ops = importlib.import_module("kit.server_ops").ServerOps(api_key="class-secret")
+    app = load_script("05_server").make_app(tiny_engine, ops=ops)
+    with serve_in_thread(app) as url:
+        browser.get(url + "/")
+        wait = WebDriverWait(browser, 30)
+        key = wait.until(lambda d: d.find_element(By.ID, "api-key").is_displayed() and d.find_element(By.ID, "api-key"))
+        assert "needs an API key" in browser.find_element(By.ID, "key-notice").text
+        assert browser.find_element(By.ID, "engine-name").text == ""   # what the engine is, is behind the key
+        assert browser.find_element(By.ID, "answer").text == ""        # no Send was needed to get here
+        if SCREENSHOT:
+            browser.save_screenshot(str(REPO_ROOT / SCREENSHOT).replace(".png", "-key.png"))
+        key.send_keys("wrong\n")
+        wait.until(lambda d: "refused" in d.find_element(By.ID, "key-notice").text)
+        browser.find_element(By.ID, "api-key").send_keys("class-secret\n")
+        wait.until(lambda d: d.find_element(By.ID, "engine-name").text == "BaselineEngine")
+        wait.until(lambda d: not d.find_element(By.ID, "key-form").is_displayed())
+        assert browser.find_element(By.ID, "served").text == "0"
+        browser.refresh()   # sessionStorage: typed once per tab
+        wait.until(lambda d: d.find_element(By.ID, "engine-name").text == "BaselineEngine")
+        assert not browser.find_element(By.ID, "key-form").is_displayed()
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_element(By.ID, "served").text == "1")
+        assert not browser.find_element(By.ID, "answer").text.startswith("Error")
+        browser.execute_script("sessionStorage.clear();")
+
+
+def rect(driver, element_id: str) -> dict:
+    return driver.execute_script(f"return document.getElementById('{element_id}').getBoundingClientRect().toJSON();")
+
+
 def screenshot_script():
     """scripts/screenshot_scheduler.py, which sends a class's traffic (the book's screenshot uses it too)."""
     spec = importlib.util.spec_from_file_location("screenshot_scheduler", REPO_ROOT / "scripts/screenshot_scheduler.py")
@@ -153,3 +186,27 @@ def test_the_scheduler_panel_under_thirty_streams(browser, cb_server):
         browser.save_screenshot(str(REPO_ROOT / SCREENSHOT).replace(".png", "-scheduler.png"))
     traffic.join(60)
     assert not traffic.is_alive() and all(n > 10 for n in traffic.events), seen
+
+
+def test_the_chat_stays_in_view_beside_the_scheduler_at_1280x900(browser, cb_server):
+    """A projector's 1280x900: the chat on the left, the engine's panel and scheduler on the right,
+    and the chat still in view when the page is scrolled down to the KV pool."""
+    browser.set_window_size(1280, 900)
+    try:
+        inner = browser.execute_script("return [window.innerWidth, window.innerHeight];")
+        browser.set_window_size(2 * 1280 - inner[0], 2 * 900 - inner[1])   # the page's own area is 1280x900
+        browser.get(cb_server + "/")
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "scheduler").is_displayed())
+        width, height = browser.execute_script("return [window.innerWidth, window.innerHeight];")
+        assert (width, height) == (1280, 900)
+        if SCREENSHOT:
+            browser.save_screenshot(str(REPO_ROOT / SCREENSHOT).replace(".png", "-1280x900.png"))
+        for scrolled in (False, True):
+            if scrolled:
+                browser.execute_script("window.scrollTo(0, document.body.scrollHeight);")
+            chat, panel, scheduler = (rect(browser, name) for name in ("chat", "panel", "scheduler"))
+            assert 0 <= chat["top"] and chat["bottom"] <= height, (scrolled, chat)       # all of it in view
+            assert scheduler["left"] >= chat["right"] and panel["left"] >= chat["right"]  # beside it
+            assert scheduler["top"] < height and scheduler["bottom"] > 0, scheduler
+    finally:
+        browser.set_window_size(1400, 900)

@@ -611,7 +611,7 @@ def _found_specs(engines: frozenset[str]) -> dict[str, list[str]]:
 
     A spec counts when its class is an engine class somewhere in the repo or is named
     `...Engine`; the tests' deliberately wrong specs (`04_engine:NoSuchClass`) and
-    `05_server:app` are not engines.
+    `05_server:create_app` are not engines.
     """
     found: dict[str, list[str]] = {}
     for path in _spec_sources():

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from conftest import load_script
@@ -547,18 +548,22 @@ def test_a_failing_prompt_cancels_its_siblings():
     asyncio.run(run())
 
 
-def test_uvicorn_app_is_built_from_the_environment_on_first_call(tiny_model_dir, monkeypatch):
-    """`uvicorn 05_server:app`: importing the module loads no model, starting the app does, once."""
-    assert "__getattr__" not in vars(server) and server.app.app is None
+def test_uvicorn_factory_builds_the_app_from_the_environment(tiny_model_dir, monkeypatch):
+    """`uvicorn --factory 05_server:create_app`: importing the module loads no model, the factory does."""
+    assert not any(isinstance(v, FastAPI) for v in vars(server).values())   # no app made at import
     monkeypatch.setenv("ENGINE_CLASS", "04_engine:BaselineEngine")
     monkeypatch.setenv("ENGINE_MODEL", str(tiny_model_dir))
-    builds = []
-    app = ops_lib.LazyApp(lambda: builds.append(1) or server.app_from_env())
-    with TestClient(app) as c:   # the lifespan startup is its first call
-        assert builds == [1]
-        assert c.get("/v1/models").json()["data"][0]["id"] == str(tiny_model_dir)
-        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
-    assert builds == [1]
+    monkeypatch.setenv("ENGINE_API_KEY", "k")
+    with TestClient(server.create_app()) as c:
+        assert c.get("/v1/models").status_code == 401   # ENGINE_API_KEY keys it, as it does 05_server.py
+        models = c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
+        assert models["data"][0]["id"] == str(tiny_model_dir)
+
+
+def test_uvicorn_factory_refuses_a_model_that_does_not_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_MODEL", str(tmp_path / "no-such-model"))
+    with pytest.raises(ValueError, match="does not exist"):
+        server.create_app()
 
 
 class SeatedEngine(ContractBatchingEngine):

@@ -182,13 +182,13 @@ def test_a_client_hanging_up_mid_stream_frees_the_server(base_url):
     assert ask(base_url, "Are you free?", max_tokens=2) is not None
 
 
-def test_uvicorn_serves_the_module_level_app(tiny_model_dir):
-    """`uvicorn 05_server:app`, as the README runs it: the engine named by ENGINE_CLASS and ENGINE_MODEL."""
+def test_uvicorn_serves_the_factory(tiny_model_dir):
+    """`uvicorn --factory 05_server:create_app`, as the README runs it: the engine named by ENGINE_CLASS and ENGINE_MODEL."""
     port = launcher.free_port()
     env = {**os.environ, "ENGINE_CLASS": "04_engine:BaselineEngine", "ENGINE_MODEL": str(tiny_model_dir),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "05_server:app", "--port", str(port)], cwd=REPO_ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "05_server:create_app", "--port", str(port)],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         assert launcher.wait_until_healthy(url, proc), "uvicorn did not come up"
@@ -198,6 +198,17 @@ def test_uvicorn_serves_the_module_level_app(tiny_model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_uvicorn_stops_at_start_when_the_model_does_not_load(tmp_path):
+    """A model that fails to load stops uvicorn before it serves anything, with the reason; it does
+    not start a server whose every request tries the load again."""
+    port = launcher.free_port()
+    env = {**os.environ, "ENGINE_MODEL": str(tmp_path / "no-such-model"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "uvicorn", "--factory", "05_server:create_app", "--port", str(port)],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "does not exist" in run.stderr and "Uvicorn running" not in run.stdout + run.stderr
 
 
 @pytest.mark.real_model

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-
+import ipaddress
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -395,3 +396,47 @@ def test_a_second_signal_exits_at_once_and_cleanly(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_urls_to_give_a_class():
+    lan = {socket.AF_INET: ["192.168.1.20", "10.0.0.5"], socket.AF_INET6: ["fd00::2"]}
+    addresses = lan.get
+    assert ops_lib.page_urls("0.0.0.0", 8001, addresses) == ["http://192.168.1.20:8001/", "http://10.0.0.5:8001/"]
+    assert ops_lib.page_urls("::", 8001, addresses)[-1] == "http://[fd00::2]:8001/"   # IPv6 too, bracketed
+    assert ops_lib.page_urls("127.0.0.1", 8001, addresses) == ["http://127.0.0.1:8001/"]
+    assert ops_lib.page_urls("::1", 9000, addresses) == ["http://[::1]:9000/"]
+    text = ops_lib.startup_lines("04_engine:BaselineEngine", "0.0.0.0", 8001, "class-secret", addresses)
+    assert "the page: http://192.168.1.20:8001/" in text and "or: http://10.0.0.5:8001/" in text
+    assert "API base URL: http://192.168.1.20:8001/v1" in text and "on this machine: http://127.0.0.1:8001/" in text
+    assert "asks for the key once" in text and "class-secret" not in text   # the key itself is never printed
+    here = ops_lib.startup_lines("04_engine:BaselineEngine", "127.0.0.1", 8001, None, addresses)
+    assert "192.168" not in here and "API base URL: http://127.0.0.1:8001/v1" in here and "key" not in here
+    alone = ops_lib.startup_lines("x", "0.0.0.0", 8001, None, lambda family: [])
+    assert "no network address found" in alone and "API base URL: http://127.0.0.1:8001/v1" in alone
+
+
+def test_lan_addresses_leave_out_loopback_and_link_local(monkeypatch):
+    class NoRoute:   # an offline machine: no route to probe
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def connect(self, address):
+            raise OSError("Network is unreachable")
+
+    found = ["127.0.1.1", "192.168.1.20", "169.254.3.4", "192.168.1.20"]   # Debian's 127.0.1.1; a repeat
+    monkeypatch.setattr(ops_lib.socket, "socket", NoRoute)
+    monkeypatch.setattr(ops_lib.socket, "getaddrinfo", lambda *a: [(2, 2, 17, "", (ip, 0)) for ip in found])
+    assert ops_lib.lan_addresses() == ["192.168.1.20"]
+    monkeypatch.setattr(ops_lib.socket, "getaddrinfo", lambda *a: (_ for _ in ()).throw(socket.gaierror("no name")))
+    assert ops_lib.lan_addresses() == []
+
+
+def test_lan_addresses_on_this_machine():
+    for address in ops_lib.lan_addresses():
+        assert not ipaddress.ip_address(address).is_loopback, address

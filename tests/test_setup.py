@@ -18,7 +18,7 @@ def test_checklist_passes_here(default_model_dir):
     failed = [what for ok, what, _ in checks if not ok]
     assert not failed, failed
     names = " ".join(what for _, what, _ in checks)
-    for dep in ("torch", "transformers", "fastapi", "uvicorn", "pydantic", "httpx", "pytest", "gguf"):
+    for dep in ("torch", "transformers", "fastapi", "uvicorn", "pydantic", "httpx", "pytest", "gguf", "xgrammar"):
         assert dep in names
 
 
@@ -53,8 +53,37 @@ def test_too_old_a_dependency_fails(monkeypatch, default_model_dir):
 
 
 def test_requirements_come_from_pyproject():
-    deps = dict(setup._requirements())
-    assert {"torch", "transformers", "gguf", "accelerate", "fastapi", "pytest"} <= set(deps)
+    deps = {req.name: str(req.specifier) for req in setup._requirements()}
+    assert {"torch", "transformers", "gguf", "accelerate", "fastapi", "pytest", "jsonschema", "packaging"} <= set(deps)
+    assert deps["xgrammar"] == "==0.2.9"   # a pin is checked too, not only lower bounds
+
+
+def test_the_checklist_reads_requirements_as_pip_does(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["exact==0.2.9", "Ranged >=1.0, <2", "extra[cli]>=3",\n'
+                         '  "elsewhere>=1; python_version < \'3\'"]\n'
+                         '[project.optional-dependencies]\ndev = ["tool~=4.1"]\n')
+    reqs = {req.name: req for req in setup._requirements(pyproject)}
+    assert sorted(reqs) == ["Ranged", "exact", "extra", "tool"]   # a marker that is false here: skipped
+    line = lambda name, have: setup.check_requirement(reqs[name], have)[:2]  # noqa: E731
+    assert line("exact", "0.2.9") == (True, "exact 0.2.9 (need ==0.2.9)")
+    assert not line("exact", "0.2.10")[0] and not line("exact", "0.3")[0]
+    assert line("Ranged", "1.0")[0] and line("Ranged", "1.10")[0]
+    assert not line("Ranged", "1.0rc1")[0]   # a release candidate comes before its release
+    assert not line("Ranged", "2.0")[0]
+    assert line("Ranged", "1.5.dev3")[0]     # a nightly that is new enough, already installed: fine
+    assert line("tool", "4.9")[0] and not line("tool", "5.0")[0]
+    assert line("extra", None) == (False, "extra missing (need >=3)")
+    assert setup.check_requirement(reqs["exact"], None)[2].startswith("pip install 'exact==0.2.9'")
+    assert line("exact", "not-a-version") == (False, "exact not-a-version is not a version pip can compare "
+                                                     "(need ==0.2.9)")
+
+
+def test_a_requirement_pip_cannot_read_is_named(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["torch >> 2"]\n')
+    with pytest.raises(ValueError, match="'torch >> 2' is not a requirement"):
+        setup._requirements(pyproject)
 
 
 def test_provisioning_is_idempotent(monkeypatch, default_model_dir):
