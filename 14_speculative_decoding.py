@@ -35,7 +35,7 @@ import importlib
 from minivllm.llm import LLM
 from minivllm.speculative import (COPYING_PROMPT, MAX_SPECULATIVE_TOKENS, METHODS,  # noqa: F401
                                   SPECULATION_TOKEN_BUDGET, DraftModelProposer, NgramProposer, SpeculativeDecoding,
-                                  Speculator, accept_guesses)
+                                  Speculator, accept_guesses, draw, within_grammar)
 
 engine04 = importlib.import_module("04_engine")
 

@@ -86,9 +86,7 @@ class Scheduler:
                 break
             if r not in self.running:         # preempted a moment ago to make room for an older one
                 continue
-            pending = r.num_tokens - r.num_computed
-            n = min(pending + len(r.draft_ids), budget)   # a decode may bring guesses to verify (Chapter 10)
-            del r.draft_ids[max(0, n - pending):]         # ... and a short budget cuts those first
+            n = min(r.num_tokens - r.num_computed, budget)   # 1 for a decode; a chunk of a prompt
             if not self._make_room(r, r.num_computed + n, out):
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
@@ -106,6 +104,25 @@ class Scheduler:
             budget -= n
         return out
     # --8<-- [end:schedule]
+
+    # --8<-- [start:guesses]
+    def add_guesses(self, out: ScheduledBatch) -> None:
+        """Chapter 10: the guesses a speculator hung on decoding requests (`draft_ids`) ride in the
+        same step, after everyone's token: from what the budget has left, and from free slots. A
+        short budget or a full pool cuts guesses; nobody is preempted or left out for one."""
+        budget = self.max_num_batched_tokens - out.num_tokens
+        for i, r in enumerate(out.requests):
+            if not r.draft_ids:
+                continue
+            del r.draft_ids[budget:]
+            try:
+                while self.blocks.lengths[r.id] < r.num_tokens + len(r.draft_ids):
+                    self.blocks.append_slot(r.id)
+            except PoolFullError:
+                del r.draft_ids[self.blocks.lengths[r.id] - r.num_tokens:]
+            out.lengths[i] += len(r.draft_ids)
+            budget -= len(r.draft_ids)
+    # --8<-- [end:guesses]
 
     # --8<-- [start:admit]
     def admit(self, r: Request) -> int:
