@@ -373,3 +373,27 @@ def test_prompt_lookup_cuts_its_guesses_at_the_first_token_the_grammar_forbids(n
     for token in r.draft_ids:                     # every guess is one the grammar allows, in turn
         assert r.constraint.accept(token)
     assert not r.constraint.allowed(raw[len(r.draft_ids)])
+
+
+def test_the_demos_trace_and_table_count_what_was_emitted(plain, ngram, capsys):
+    """The request ends (an EOS, made of its output token m) inside a run of 8 kept guesses: the
+    trace's lines, its summary and the table's tokens per forward all count the m emitted."""
+    import re
+
+    demo = load_script("14_speculative_decoding_demo")
+    oracle, (answer,) = oracle_for(plain, [PROMPTS[0]], 30)
+    ids = answer.output_ids
+    m = next(m for m in range(4, 8) if ids[m] not in ids[:m])
+    saved, eos = ngram.speculator.proposer, plain.output.eos_token_ids
+    ngram.speculator.proposer, ngram.speculator.k = oracle, 8
+    plain.output.eos_token_ids = ngram.output.eos_token_ids = eos | {ids[m]}
+    try:
+        demo.show_trace(ngram, PROMPTS[0], plain.tokenizer, 30)
+        (row,) = demo.sweep(plain, {"oracle": ngram}, [PROMPTS[0]], [8], 30)
+    finally:
+        ngram.speculator.proposer, plain.output.eos_token_ids, ngram.output.eos_token_ids = saved, eos, eos
+    out = capsys.readouterr().out
+    lines = [int(kept) for kept in re.findall(r"^\s+\d+\s+(\d+)/\d+", out, re.MULTILINE)]
+    summary = re.search(r"(\d+) tokens in (\d+) forwards of the model; (\d+) of (\d+) guesses kept", out)
+    assert lines == [0, m] and summary.groups() == (str(m + 1), "2", str(m), "8"), out
+    assert row["tokens_per_forward"] == (m + 1) / 2 and row["acceptance"] == m / 8
