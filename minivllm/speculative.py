@@ -3,9 +3,10 @@
 A decode step reads every weight to produce one token. If something cheap guesses the next k
 tokens, one forward of the model over those k guesses checks them all: each guess the model
 would have produced itself is kept, the first it would not is replaced by its own token. Greedy
-output is unchanged; sampled output keeps its distribution (rejection sampling against the
-guesser's own distribution). Two guessers: n-gram lookup in the request's own text, and a draft
-model on its own KV pool.
+output is unchanged; a sampled token is drawn from noise that depends only on the request's
+seed and the token's position, so it too is the model's own, whatever was guessed and whoever
+shared the step. Two guessers: n-gram lookup in the request's own text, and a draft model on
+its own KV pool. Guesses get only what the step's token budget leaves.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def within_grammar(r: Request, guesses: list[int]) -> list[int]:
     if grammar is None:
         return guesses
     for token in guesses:
-        if grammar.finished or not grammar.accept(token):   # a refused token leaves it where it was
+        if grammar.finished or not grammar.allowed(token):
             break
+        grammar.accept(token)
         kept += 1
     if kept:
         grammar.rollback(kept)
