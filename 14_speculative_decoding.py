@@ -16,9 +16,11 @@ draft model (any model with the same tokenizer: by default this same model on Ch
 int4 weights, with its own KV pool, catching up on the tokens the target kept).
 
 The output does not change. Greedy: a guess is kept only if it *is* the model's argmax.
-Sampling: a guess d drawn from the drafter's distribution q is kept with probability
-min(1, p(d) / q(d)), and a rejection draws from max(0, p - q), renormalised; together the two
-draw exactly from p, the model's own distribution (Leviathan et al. 2023, Chen et al. 2023).
+Sampling: the model's token at each position is drawn with the Gumbel-max trick from noise
+made of the request's seed and the position (`draw`), and a guess is kept only if it *is* that
+token; a draft model draws its guesses with the same noise, so it agrees where its distribution
+is close. Every token is an exact sample of p, the same whatever was guessed, so a seeded
+request samples the same text in any batch.
 
 In the assembled engine (Chapter 9) speculation is a switch with the same names as the flags:
 
@@ -35,7 +37,7 @@ import importlib
 from minivllm.llm import LLM
 from minivllm.speculative import (COPYING_PROMPT, MAX_SPECULATIVE_TOKENS, METHODS,  # noqa: F401
                                   SPECULATION_TOKEN_BUDGET, DraftModelProposer, NgramProposer, SpeculativeDecoding,
-                                  Speculator, accept_guesses)
+                                  Speculator, accept_guesses, draw, within_grammar)
 
 engine04 = importlib.import_module("04_engine")
 

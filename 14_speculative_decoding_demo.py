@@ -72,7 +72,9 @@ def show_trace(engine, prompt: str, tokenizer, new_tokens: int) -> None:
         run = full[:len(result.output_ids) - produced]  # a stop or EOS may end the request inside a run
         produced += len(run)
         ended = len(run) < len(full)
-        ok = len(run) if ended else len(run) - 1       # every token of a whole run but the last was a guess
+        ok = 0                                          # the guesses kept and emitted: those the run starts with
+        while ok < min(len(run), len(guesses)) and run[ok] == guesses[ok]:
+            ok += 1
         line = f"  {i:>4}  {ok:>2}/{len(guesses):<2}  {paint(GREEN, run[:ok])} + {paint(YELLOW, run[ok:])}"
         print(line + ("   (the request ends here)" if ended else
                       f"   rejected {paint(RED, guesses[ok:])}" if ok < len(guesses) else ""))
@@ -120,17 +122,19 @@ def sweep(plain, engines: dict, prompts: list[str], ks: list[int], new_tokens: i
     for method, engine in engines.items():
         for k in ks:
             engine.speculator.k = k
-            t_plain = t_spec = drafted = kept = tokens = 0
+            t_plain = t_spec = drafted = kept = tokens = forwards = 0
             for prompt in prompts:
                 a, ta = timed(plain.generate, prompt, new_tokens)
+                steps = engine.num_steps
                 b, tb = timed(engine.generate, prompt, new_tokens)
+                forwards += engine.num_steps - steps        # batch 1: a step is one forward of the model
                 if a.output_ids != b.output_ids:
                     raise AssertionError(f"{method} k={k} changed the output of {prompt[:40]!r}")
                 t_plain, t_spec = t_plain + ta, t_spec + tb
                 drafted, kept = drafted + (b.metrics.draft_tokens or 0), kept + (b.metrics.accepted_tokens or 0)
                 tokens += len(b.output_ids)
             rows.append({"method": method, "k": k, "acceptance": kept / max(drafted, 1),
-                         "tokens_per_forward": tokens / max(tokens - kept, 1), "speedup": t_plain / t_spec})
+                         "tokens_per_forward": tokens / forwards, "speedup": t_plain / t_spec})
     return rows
 
 

@@ -99,11 +99,12 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         """schedule -> run -> postprocess: one scheduler decision, one step of the model runner,
         one token (or a run of verified guesses) for each request whose known tokens are all
         computed. Returns (request, new text) for those; finished requests have left."""
-        if self.speculator:                       # Chapter 10: guesses join the decodes' tokens
-            self.speculator.propose(self.scheduler.running)
         work = self.scheduler.schedule()
         if not work.requests:
             return []
+        if self.speculator:                       # Chapter 10: guesses from what the budget has left
+            self.speculator.propose(work, self.scheduler.max_num_batched_tokens)
+            self.scheduler.add_guesses(work)
         places = [self.blocks.tables[r.id] for r in work.requests]
         if self.speculator:                       # the tokens each request keeps: 1 .. k + 1
             runs = self.speculator.step(self.runner, work.requests, work.starts, work.lengths, places)
@@ -111,6 +112,8 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
             runs = [None if t is None else [t] for t in self.runner.step(work.requests, work.starts,
                                                                          work.lengths, places)]
         events = self.postprocess(work, runs)
+        if self.speculator:                       # the kept guesses that reached the output
+            self.speculator.count_kept(work.requests)
         if self.on_step:
             self.on_step(work, events)
         return events
@@ -127,7 +130,6 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
                     pieces.append(self.output.accept(r, token, now))
                     if r.finish_reason:           # a stop, EOS or the budget can cut a run short
                         break
-                r.num_accepted += min(len(pieces), len(run) - 1)   # kept guesses the output took (Chapter 10)
                 r.num_computed = r.num_tokens - 1     # every token but the newest has its K/V now
                 generated += len(pieces)
                 events.append((r, join_pieces(pieces)))

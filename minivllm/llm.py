@@ -111,8 +111,7 @@ class LLM(LLMEngine):
         output = OutputProcessor(tokenizer, eos_token_ids(folder, tokenizer), runner.model.config.vocab_size,
                                  device, structured)
         speculator = speculation.build(runner.model, folder, kv_memory, block_size,
-                                       [] if draft_model else [WeightFormat("int4", 32)],
-                                       max_num_batched_tokens) if speculation else None
+                                       [] if draft_model else [WeightFormat("int4", 32)]) if speculation else None
         super().__init__(model or DEFAULT_MODEL, tokenizer, output, runner, blocks, max_num_seqs,
                          max_num_batched_tokens, speculator)
         if parallel and runner.group:   # a worker that dies fails this engine's requests, then the process

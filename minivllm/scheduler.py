@@ -87,11 +87,10 @@ class Scheduler:
                 break
             if r not in self.running:         # preempted a moment ago to make room for an older one
                 continue
-            n = min(r.num_tokens - r.num_computed, budget)
+            n = min(r.num_tokens - r.num_computed, budget)   # 1 for a decode; a chunk of a prompt
             if not self._make_room(r, r.num_computed + n, out):
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
-        self._add_guesses(out)
         budget = self.max_num_batched_tokens - out.num_tokens
         # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow;
         # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
@@ -109,34 +108,22 @@ class Scheduler:
     # --8<-- [end:schedule]
 
     # --8<-- [start:guesses]
-    def _add_guesses(self, out: ScheduledBatch) -> None:
-        """Guesses are the first thing a step gives up: no decode token or prefill chunk waits for
-        one. What budget the step has left goes to the decodes' guesses one at a time, in turn, so
-        a tight budget spreads them; a guess never preempts anyone (no free slot, no guess)."""
-        granted = {id(r): 0 for r in out.requests}
-        spare = self.max_num_batched_tokens - out.num_tokens
-        wanting = [i for i, r in enumerate(out.requests) if r.draft_ids and out.lengths[i] == 1]
-        while spare and wanting:
-            for i in list(wanting):
-                r = out.requests[i]
-                if not spare or granted[id(r)] == len(r.draft_ids) or not self._slot_for_guess(r, out.lengths[i]):
-                    wanting.remove(i)
-                    continue
-                out.lengths[i] += 1
-                granted[id(r)] += 1
-                spare -= 1
-        for r in self.running:                # the guesses not granted are dropped, unverified
-            del r.draft_ids[granted.get(id(r), 0):]
-
-    def _slot_for_guess(self, r: Request, fed: int) -> bool:
-        """A KV slot for one more token of r (the guess after the `fed` it feeds), from free blocks only."""
-        if self.blocks.lengths[r.id] >= r.num_computed + fed + 1:
-            return True
-        try:
-            self.blocks.append_slot(r.id)
-            return True
-        except PoolFullError:
-            return False
+    def add_guesses(self, out: ScheduledBatch) -> None:
+        """Chapter 10: the guesses a speculator hung on decoding requests (`draft_ids`) ride in the
+        same step, after everyone's token: from what the budget has left, and from free slots. A
+        short budget or a full pool cuts guesses; nobody is preempted or left out for one."""
+        budget = self.max_num_batched_tokens - out.num_tokens
+        for i, r in enumerate(out.requests):
+            if not r.draft_ids:
+                continue
+            del r.draft_ids[budget:]
+            try:
+                while self.blocks.lengths[r.id] < r.num_tokens + len(r.draft_ids):
+                    self.blocks.append_slot(r.id)
+            except PoolFullError:
+                del r.draft_ids[self.blocks.lengths[r.id] - r.num_tokens:]
+            out.lengths[i] += len(r.draft_ids)
+            budget -= len(r.draft_ids)
     # --8<-- [end:guesses]
 
     # --8<-- [start:admit]

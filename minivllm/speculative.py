@@ -3,9 +3,10 @@
 A decode step reads every weight to produce one token. If something cheap guesses the next k
 tokens, one forward of the model over those k guesses checks them all: each guess the model
 would have produced itself is kept, the first it would not is replaced by its own token. Greedy
-output is unchanged; sampled output keeps its distribution (rejection sampling against the
-guesser's own distribution). Two guessers: n-gram lookup in the request's own text, and a draft
-model on its own KV pool.
+output is unchanged; a sampled token is drawn from noise that depends only on the request's
+seed and the token's position, so it too is the model's own, whatever was guessed and whoever
+shared the step. Two guessers: n-gram lookup in the request's own text, and a draft model on
+its own KV pool. Guesses get only what the step's token budget leaves.
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ COPYING_PROMPT = ("Repeat the first two sentences of this text word for word: A 
                   "them for the whole prompt. The cache grows by one entry per layer for every token.")
 
 
+# --8<-- [start:draw]
+def draw(p: torch.Tensor, seed: int, position: int) -> int:
+    """The token a sampled request takes at output position `position`, from distribution p.
+
+    The Gumbel-max trick: argmax(log p + g) with g drawn from a Gumbel distribution is an exact
+    sample of p. Here g is made from the request's seed and the position alone, never from a
+    stream that every draw advances, so the token at a position does not depend on how many
+    guesses came before it, or on who else shared the step. A drafter that draws its guess with
+    the same g from its own q agrees with the model wherever q is close to p.
+    """
+    generator = torch.Generator(device=p.device).manual_seed(hash((seed, position)) & (2**63 - 1))
+    u = torch.rand(p.shape, generator=generator, device=p.device).clamp_min(torch.finfo(torch.float32).tiny)
+    return int((p.log() - (-u.log()).log()).argmax())     # p = 0 (top-k, top-p, a grammar): log p = -inf
+# --8<-- [end:draw]
+
+
 # --8<-- [start:ngram]
 class NgramProposer:
     """Prompt lookup: find the last n tokens earlier in prompt + output, propose what followed."""
@@ -44,11 +61,11 @@ class NgramProposer:
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[torch.Tensor | None]:
-        """Sets each request's draft_ids (up to k); a guess is certain, so there is no q to return."""
+    def propose(self, requests: list[Request], ks: list[int], seeds: list[int], max_tokens: int) -> None:
+        """Sets each request's draft_ids (up to k): what followed, up to the first token that the
+        request's grammar (Chapter 11) forbids. A lookup needs no model, so no seed and no budget."""
         for r, k in zip(requests, ks):
-            r.draft_ids = self.lookup(r.prompt_ids + r.new_ids, k) if k else []
-        return [None] * len(requests)
+            r.draft_ids = within_grammar(r, self.lookup(r.prompt_ids + r.new_ids, k)) if k else []
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed an earlier occurrence of the longest matching suffix: the
@@ -67,6 +84,23 @@ class NgramProposer:
 
     def release(self, request: Request) -> None:
         """Nothing held per request."""
+
+
+def within_grammar(r: Request, guesses: list[int]) -> list[int]:
+    """Chapter 11: the guesses up to the first one the request's grammar forbids (nothing follows
+    the grammar's end). The grammar is walked ahead, then rolled back: the output processor
+    advances it once the model has kept the tokens."""
+    grammar, kept = r.constraint, 0
+    if grammar is None:
+        return guesses
+    for token in guesses:
+        if grammar.finished or not grammar.allowed(token):
+            break
+        grammar.accept(token)
+        kept += 1
+    if kept:
+        grammar.rollback(kept)
+    return guesses[:kept]
 # --8<-- [end:ngram]
 
 
@@ -75,69 +109,55 @@ class DraftModelProposer:
     """A smaller model guesses k tokens, one decode step each, on its own KV pool of blocks.
 
     It remembers how many of each request's tokens it holds K/V for; after a verification it
-    keeps only those the target kept, and catches up on the rest before it guesses, at most
-    `chunk` tokens a step in all (the engine's step budget): a long new prompt is caught up over
-    several steps, in chunks, as the target prefills it, and guesses wait until it is done.
+    keeps only those the target kept, and catches up on the rest in its next first step, in
+    chunks under the engine's token budget, as the target prefills a long prompt.
     """
 
-    def __init__(self, model, kv_memory: int, block_size: int, chunk: int = 256):
+    def __init__(self, model, kv_memory: int, block_size: int):
         pool = KVPool.from_memory(model.config, kv_memory, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, pool)
         self.blocks = BlockManager(pool.num_blocks, block_size)
         self.computed: dict[int, int] = {}     # request id -> tokens whose K/V the draft holds
-        self.chunk = chunk
 
-    def propose(self, requests: list[Request], ks: list[int]) -> list[torch.Tensor | None]:
-        """Sets each request's draft_ids; returns per request the distributions q it drew them
-        from ([k, vocab], for sampled requests; None for greedy ones)."""
-        qs: list[list[torch.Tensor]] = [[] for _ in requests]
-        live = [i for i, k in enumerate(ks) if k and self._room(requests[i], k)]
-        for i in range(len(requests)):
-            requests[i].draft_ids = []
-        live = self._catch_up(requests, live)
+    def propose(self, requests: list[Request], ks: list[int], seeds: list[int], max_tokens: int) -> None:
+        """Sets each request's draft_ids. Its first forward catches each request up (the tokens it
+        lacks, the newest one included), at most max_tokens in all: a request still behind after
+        its chunk guesses nothing this step. Then one token per request per forward."""
+        for r in requests:
+            r.draft_ids = []
+        live, starts, lengths = [], [], []
+        for i, k in enumerate(ks):
+            if k and max_tokens > 0 and self._room(requests[i], k):
+                r = requests[i]
+                n = min(r.num_tokens - self.computed[r.id], max_tokens)
+                live.append(i), starts.append(self.computed[r.id]), lengths.append(n)
+                max_tokens -= n
+        ks = list(ks)
         for step in range(max((ks[i] for i in live), default=0)):
-            live = [i for i in live if ks[i] > step]
             if not live:
                 break
             rs = [requests[i] for i in live]
-            starts = [self.computed[r.id] for r in rs]
-            lengths = [r.num_tokens + len(r.draft_ids) - s for r, s in zip(rs, starts)]   # the newest, then a guess
             logits = self.runner.forward(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])
             logits = sampling.adjust_logits(logits, [r.params for r in rs], [r.history for r in rs])
             logits = constrain(logits, rs)           # a grammar's requests guess within it
-            for i, r, row in zip(live, rs, logits):
-                self.computed[r.id] = r.num_tokens + len(r.draft_ids)
-                if r.params.is_greedy:
-                    r.draft_ids.append(int(row.argmax()))
-                else:
-                    q = sampling.probabilities(row, r.params)
-                    r.draft_ids.append(int(torch.multinomial(q, 1, generator=r.generator)))
-                    qs[i].append(q)
+            for i, r, s, n, row in zip(live, rs, starts, lengths, logits):
+                self.computed[r.id] = s + n
+                if s + n < r.num_tokens:            # still catching up: no guesses this step
+                    ks[i] = 0
+                    continue
+                position = len(r.new_ids) + len(r.draft_ids)
+                r.draft_ids.append(int(row.argmax()) if r.params.is_greedy else
+                                   draw(sampling.probabilities(row, r.params), seeds[i], position))
                 if r.constraint is not None:
                     r.constraint.accept(r.draft_ids[-1])
                     if r.constraint.finished:
                         ks[i] = len(r.draft_ids)                # nothing may follow the grammar's end
+            live = [i for i in live if len(requests[i].draft_ids) < ks[i]]
+            starts = [requests[i].num_tokens + len(requests[i].draft_ids) - 1 for i in live]
+            lengths = [1] * len(live)                           # the newest guess, to guess the next
         for r in requests:
             if r.constraint is not None and r.draft_ids:
                 r.constraint.rollback(len(r.draft_ids))
-        return [torch.stack(q) if q else None for q in qs]
-
-    def _catch_up(self, requests: list[Request], live: list[int]) -> list[int]:
-        """K/V for every known token but the newest, in one forward of at most `chunk` tokens;
-        returns the requests that are caught up (they guess this step), in order."""
-        budget, feed = self.chunk, []
-        for i in live:
-            r = requests[i]
-            n = min(r.num_tokens - 1 - self.computed[r.id], budget)
-            if n > 0:
-                feed.append((r, self.computed[r.id], n))
-                budget -= n
-        if feed:
-            rs, starts, lengths = map(list, zip(*feed))
-            self.runner.forward(rs, starts, lengths, [self.blocks.tables[r.id] for r in rs])   # logits unused
-            for r, start, n in feed:
-                self.computed[r.id] = start + n
-        return [i for i in live if self.computed[requests[i].id] == requests[i].num_tokens - 1]
 
     def _room(self, r: Request, k: int) -> bool:
         """Slots for everything the draft will feed; a full pool means no guesses this time."""
@@ -163,11 +183,13 @@ class DraftModelProposer:
 
 
 # --8<-- [start:accept]
-def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> list[int]:
-    """The tokens one verification yields: the guesses the model keeps, then one of its own.
+def accept_guesses(logits: torch.Tensor, r: Request, seed: int | None = None) -> tuple[list[int], int]:
+    """The tokens one verification yields, and how many of them are kept guesses.
 
-    logits[j] is the model's prediction after the guesses d1 .. dj; q[j] (sampled requests of a
-    draft model) is the distribution dj+1 was drawn from; a lookup's guess is certain (q = 1).
+    logits[j] is the model's prediction after the guesses d1 .. dj. At each position the model
+    takes its own token: the argmax (greedy) or draw(p, seed, position) (sampled). A guess is
+    kept if it is that very token; at the first that is not, the model's token replaces it and
+    the rest are thrown away. The tokens are those the model would have produced without guesses.
     """
     drafts, params = r.draft_ids, r.params
     history = r.history.copy() if r.history is not None else None   # penalties see the kept guesses
@@ -177,26 +199,13 @@ def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> 
         if history is not None:
             row = sampling.adjust_logits(row.unsqueeze(0), [params], [history])[0]
         if grammar is not None:
-            row = constrain(row.unsqueeze(0), [r])[0]   # a guess it forbids has p = 0
-        guess = drafts[j] if j < len(drafts) else None
-        if params.is_greedy:                        # keep the guess only if it is the argmax itself
+            row = constrain(row.unsqueeze(0), [r])[0]   # a guess it forbids is never the model's token
+        if params.is_greedy:
             token = int(row.argmax())
         else:
-            p = sampling.probabilities(row, params)
-            if guess is None:                       # every guess kept: the last position is a free token
-                token = int(torch.multinomial(p, 1, generator=r.generator))
-            else:
-                q_guess = 1.0 if q is None else float(q[j, guess])
-                if float(torch.rand((), generator=r.generator, device=p.device)) * q_guess < float(p[guess]):
-                    token = guess                   # kept with probability min(1, p / q)
-                else:                               # rejected: draw from what p has beyond q
-                    residual = (p - (q[j] if q is not None else torch.nn.functional.one_hot(
-                        torch.tensor(guess, device=p.device), p.numel()).to(p.dtype))).clamp(min=0)
-                    if float(residual.sum()) <= 0:   # p <= q everywhere (rounding): nothing beyond q, draw from p
-                        residual = p
-                    token = int(torch.multinomial(residual, 1, generator=r.generator))
+            token = draw(sampling.probabilities(row, params), seed, len(r.new_ids) + j)
         out.append(token)
-        if token != guess:
+        if j >= len(drafts) or token != drafts[j]:
             break
         if history is not None:
             history.add(token)
@@ -207,7 +216,8 @@ def accept_guesses(logits: torch.Tensor, r: Request, q: torch.Tensor | None) -> 
                 break
     if walked:
         grammar.rollback(walked)                    # the output processor advances it, token by token
-    return out
+    kept = len(out) if len(out) <= len(drafts) and out == drafts[:len(out)] else len(out) - 1
+    return out, kept
 # --8<-- [end:accept]
 
 
@@ -217,15 +227,30 @@ class Speculator:
 
     def __init__(self, name: str, proposer, num_speculative_tokens: int):
         self.name, self.proposer, self.k = name, proposer, num_speculative_tokens
-        self.q: dict[int, torch.Tensor | None] = {}
+        self.seeds: dict[int, int] = {}                    # request id -> seed of its draws
+        self.kept: dict[int, tuple[int, int]] = {}         # id(request) -> (outputs before, guesses kept)
 
-    def propose(self, running: list[Request]) -> list:
-        """Guesses for every request about to decode, k bounded by its budget and the step's."""
-        decoding = [r for r in running if r.num_tokens - r.num_computed == 1]
+    def seed(self, r: Request) -> int:
+        """The request's own seed; an unseeded request gets one from torch's global stream, once."""
+        if r.params.seed is not None:
+            return r.params.seed
+        if r.id not in self.seeds:
+            self.seeds[r.id] = int(torch.randint(2**62, ()))
+        return self.seeds[r.id]
+
+    def propose(self, work, max_num_batched_tokens: int) -> None:
+        """Guesses for the requests of a scheduled step that decode, from what the step's token
+        budget has left once everyone's decode token and prefill chunk is in: shared one guess
+        at a time in turn, so nobody gets a second before every other has had a first."""
+        decoding = [r for r, n in zip(work.requests, work.lengths) if n == 1 and r.num_tokens - r.num_computed == 1]
         per_request = SPECULATION_TOKEN_BUDGET // max(1, len(decoding)) - 1   # a busy step guesses less
-        ks = [max(0, min(self.k, per_request, r.budget - len(r.new_ids) - 1)) for r in decoding]
-        self.q = dict(zip(map(id, decoding), self.proposer.propose(decoding, ks)))
-        return decoding
+        wants = [max(0, min(self.k, per_request, r.budget - len(r.new_ids) - 1)) for r in decoding]
+        spare, ks = max_num_batched_tokens - work.num_tokens, [0] * len(decoding)
+        for _ in range(max(wants, default=0)):
+            for i, want in enumerate(wants):
+                if spare and ks[i] < want:
+                    ks[i], spare = ks[i] + 1, spare - 1
+        self.proposer.propose(decoding, ks, [self.seed(r) for r in decoding], max_num_batched_tokens)
 
     def step(self, runner, requests: list[Request], starts: list[int], lengths: list[int],
              places: list) -> list[list[int] | None]:
@@ -234,21 +259,31 @@ class Speculator:
         num_logits = [1 + len(r.draft_ids) if ok else 1 for r, ok in zip(requests, ready)]
         logits = runner.forward(requests, starts, lengths, places, num_logits).split(num_logits)
         runs: list[list[int] | None] = [None] * len(requests)
-        plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids]
+        plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids and r.params.is_greedy]
         for i, token in zip(plain, sample(torch.cat([logits[i] for i in plain]), [requests[i] for i in plain])
                             if plain else []):
             runs[i] = [token]
-        for i, r in enumerate(requests):
-            if ready[i] and r.draft_ids:
-                runs[i] = accept_guesses(logits[i], r, self.q.get(id(r)))
+        for i, r in enumerate(requests):   # guesses to check, or a sampled token: drawn by position
+            if ready[i] and i not in plain:
+                runs[i], kept = accept_guesses(logits[i], r, None if r.params.is_greedy else self.seed(r))
                 if r.logprobs is not None:   # one entry per kept token, from the model's own logits
                     r.logprobs.extend(sampling.token_logprobs(logits[i][:len(runs[i])], runs[i],
                                                               [r.params.logprobs] * len(runs[i])))
-                r.num_drafted += len(r.draft_ids)   # accepted ones are counted as the output takes them
+                r.num_drafted += len(r.draft_ids)
+                self.kept[id(r)] = (len(r.new_ids), kept)
                 r.draft_ids = []
         return runs
 
+    def count_kept(self, requests: list[Request]) -> None:
+        """After the output processor: the kept guesses that reached the output. A stop string,
+        EOS or the budget may end the request inside a run, and what follows is never emitted."""
+        for r in requests:
+            if id(r) in self.kept:
+                before, kept = self.kept.pop(id(r))
+                r.num_accepted += min(len(r.new_ids) - before, kept)
+
     def release(self, request: Request) -> None:
+        self.seeds.pop(request.id, None)
         self.proposer.release(request)
 # --8<-- [end:verify]
 
@@ -272,7 +307,7 @@ class SpeculativeDecoding:
         self.method, self.k, self.draft_model = method, num_speculative_tokens, draft_model
 
     def build(self, target: LlamaModel, folder: Path, kv_memory: int, block_size: int,
-              draft_features: Sequence = (), max_num_batched_tokens: int = 256) -> Speculator:
+              draft_features: Sequence = ()) -> Speculator:
         if self.method == "ngram":
             return Speculator(self.method, NgramProposer(), self.k)
         folder = Path(resolve_model(self.draft_model)) if self.draft_model else Path(folder)
@@ -282,5 +317,5 @@ class SpeculativeDecoding:
                              f"target's ({target.config.vocab_size}): it needs the same tokenizer")
         print(f"[engine] draft model: {folder.name} ({model.format_name or 'float'}), "
               f"{model.weight_bytes / 1e6:.0f} MB", flush=True)
-        return Speculator(self.method, DraftModelProposer(model, kv_memory, block_size, max_num_batched_tokens), self.k)
+        return Speculator(self.method, DraftModelProposer(model, kv_memory, block_size), self.k)
 # --8<-- [end:options]

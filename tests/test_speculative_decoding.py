@@ -2,10 +2,11 @@
 
 Greedy: the engine with speculation gives the same tokens as without, for both drafters and
 k in {1, 4, 8}, alone and in a mixed batch, with stop strings, EOS and budgets ending inside
-a kept run. Sampling: the acceptance rule draws exactly from the model's distribution (a
-chi-squared test, even when the drafter's distribution is far from it). Nothing leaks: every
-KV block comes back, after 200 requests and after an abort.
-"""
+a kept run. Sampling: every token is the model's own draw at its position (a chi-squared test,
+even when the drafter's distribution is far from it), so a seeded request samples the same
+tokens alone and among 20 others. Guesses take only the budget that the step has left; the
+draft model catches up in chunks of it; accepted_tokens counts the guesses that were emitted.
+Nothing leaks: every KV block comes back, after 200 requests and after an abort."""
 
 from __future__ import annotations
 
@@ -32,8 +33,32 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one to
 
 
 def make(folder, **kwargs):
+    options = {"max_num_seqs": 16, "max_num_batched_tokens": 128, **kwargs}
     return cb13.ContinuousBatchingEngine(str(folder), device="cpu", kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN,
-                                         block_size=8, max_num_seqs=16, max_num_batched_tokens=128, **kwargs)
+                                         block_size=8, **options)
+
+
+class Oracle:
+    """A drafter that knows the answer: it guesses the engine's own greedy tokens, so with a
+    tiny random model (whose text never repeats, so prompt lookup finds nothing) every
+    verification of a greedy request keeps all its guesses."""
+
+    def __init__(self, answers: dict[tuple, list[int]]):
+        self.answers = answers                    # prompt ids -> the greedy output
+
+    def propose(self, requests, ks, *rest):
+        for r, k in zip(requests, ks):
+            r.draft_ids = list(self.answers[tuple(r.prompt_ids)][len(r.new_ids):len(r.new_ids) + k]) if k else []
+        return [None] * len(requests)
+
+    def release(self, request) -> None:
+        pass
+
+
+def oracle_for(plain, prompts, max_new_tokens):
+    answers = plain.generate_batch(prompts, max_new_tokens, SamplingParams(ignore_eos=True))
+    return Oracle({tuple(plain.new_request(p, max_new_tokens).prompt_ids): a.output_ids
+                   for p, a in zip(prompts, answers)}), answers
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +113,9 @@ def test_greedy_keeps_the_guesses_the_model_agrees_with_then_its_own_token():
     logits = torch.full((4, 10), -5.0)
     for j, best in enumerate([3, 4, 9, 6]):
         logits[j, best] = 5.0
-    assert spec.accept_guesses(logits, request(SamplingParams(), [3, 4, 5]), None) == [3, 4, 9]
-    assert spec.accept_guesses(logits, request(SamplingParams(), [3, 4, 9]), None) == [3, 4, 9, 6]
-    assert spec.accept_guesses(logits, request(SamplingParams(), [7, 4, 9]), None) == [3]
+    assert spec.accept_guesses(logits, request(SamplingParams(), [3, 4, 5])) == ([3, 4, 9], 2)
+    assert spec.accept_guesses(logits, request(SamplingParams(), [3, 4, 9])) == ([3, 4, 9, 6], 3)
+    assert spec.accept_guesses(logits, request(SamplingParams(), [7, 4, 9])) == ([3], 0)
 
 
 def test_penalties_see_the_guesses_kept_before_them():
@@ -101,31 +126,30 @@ def test_penalties_see_the_guesses_kept_before_them():
     params = SamplingParams(frequency_penalty=2.0)
     history = sampling.TokenHistory([0], vocab)
     # Position 0 picks 5; with 5 counted once, position 1 prefers 6 (3 - 2 < 2).
-    assert spec.accept_guesses(logits, request(params, [5, 5], history=history), None) == [5, 6]
+    assert spec.accept_guesses(logits, request(params, [5, 5], history=history))[0] == [5, 6]
     assert float(history.output_counts.sum()) == 0     # the request's own history is untouched
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
-def test_acceptance_rule_draws_exactly_from_the_models_distribution(drafter):
-    """First token after a verification, over many seeded draws: chi-squared against p."""
+def test_a_sampled_token_is_the_models_own_draw_whatever_was_guessed(drafter):
+    """First token after a verification, over many seeds: always the token the model draws at
+    that position with no guess at all, so distributed as p (chi-squared), even when the
+    drafter's q is far from p."""
     params = SamplingParams(temperature=0.9, top_k=5)
     target = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -9.0], [0.0] * 7])
     draft = torch.tensor([-1.0, 0.0, 0.5, 1.0, 3.0, 2.0, 0.0])      # prefers what the target does not
     p = sampling.probabilities(target[0], params)
     q = sampling.probabilities(draft, params)
-    gen = torch.Generator().manual_seed(0)
-    n, counts = 6000, torch.zeros(7)
-    for _ in range(n):
-        if drafter == "model":
-            guess = int(torch.multinomial(q, 1, generator=gen))
-            kept = spec.accept_guesses(target, request(params, [guess], gen), q.unsqueeze(0))
-        else:                                        # a lookup's guess is fixed: always token 4
-            kept = spec.accept_guesses(target, request(params, [4], gen), None)
+    n, counts = 4000, torch.zeros(7)
+    for seed in range(n):
+        guess = spec.draw(q, seed, 0) if drafter == "model" else 4   # a lookup's guess is fixed: token 4
+        kept, _ = spec.accept_guesses(target, request(params, [guess]), seed)
+        assert kept[0] == spec.draw(p, seed, 0)
         counts[kept[0]] += 1
     support = p > 0
     expected = n * p[support]
     chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    assert counts[~support].sum() == 0               # top-k holds for the rejection draw too
+    assert counts[~support].sum() == 0               # top-k holds
     assert chi2 < 20.5, (counts, expected)           # 4 degrees of freedom: P(chi2 > 20.5) ~ 4e-4
 
 
@@ -198,16 +222,22 @@ def test_options_are_checked_before_a_model_loads():
 
 
 def test_a_busy_step_guesses_less(ngram):
-    """The step's guess budget: one request may guess k, 32 running requests guess nothing."""
+    """The step's guess budget: one request may guess k, 32 running requests guess nothing; and
+    a short token budget is shared one guess at a time in turn."""
+    from minivllm.scheduler import ScheduledBatch
+
     speculator = ngram.speculator
     speculator.k = 8
     reqs = [request(SamplingParams(), []) for _ in range(32)]
-    for r in reqs:
-        r.prompt_ids, r.num_computed, r.new_ids = [1, 2] * 10 + [1], 20, []
-    speculator.propose(reqs[:1])
+    for i, r in enumerate(reqs):
+        r.id, r.prompt_ids, r.num_computed, r.new_ids = 1000 + i, [1, 2] * 10 + [1], 20, []
+    decodes = lambda rs: ScheduledBatch(rs, [20] * len(rs), [1] * len(rs), [])   # noqa: E731
+    speculator.propose(decodes(reqs[:1]), 256)
     assert len(reqs[0].draft_ids) == 8
-    speculator.propose(reqs)
+    speculator.propose(decodes(reqs), 256)
     assert all(r.draft_ids == [] for r in reqs)
+    speculator.propose(decodes(reqs[:4]), 10)            # 6 tokens left after the 4 decodes
+    assert [len(r.draft_ids) for r in reqs[:4]] == [2, 2, 1, 1]
 
 
 def test_the_server_reports_drafted_and_accepted_tokens(draft):
@@ -248,83 +278,122 @@ def test_guesses_that_break_a_grammar_are_rejected(plain, ngram, draft, which):
     assert_idle(engine)
 
 
-def test_guesses_never_starve_a_batch_mate_of_its_decode_or_prefill():
-    """Two requests decode, each with 4 guesses; two are mid-prefill with 6 tokens to go. Decodes
-    and prefill chunks come first (with 8 tokens a step the old rule fed the decodes 5 and 3 and
-    no prefill at all); guesses get only what is left, spread in turn; the rest are dropped."""
-    from minivllm.block_manager import BlockManager
-    from minivllm.scheduler import Scheduler
-
-    def running(rid, prompt, computed, drafts=()):
-        r = decode_loop.Request(rid, list(range(prompt)), SamplingParams(), 50, detok=None, generator=None)
-        r.num_computed, r.draft_ids = computed, list(drafts)
-        return r
-
-    for budget, expect_guesses, last_chunk in ((8, [0, 0], 0), (14, [0, 0], 6), (18, [2, 2], 6), (19, [3, 2], 6)):
-        scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=budget)
-        rs = [running(0, 9, 8, [5, 6, 7, 8]), running(1, 9, 8, [5, 6, 7, 8]), running(2, 9, 3), running(3, 9, 3)]
-        for r in rs:
-            scheduler.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
-            scheduler.running.append(r)
-        out = scheduler.schedule()
-        fed = dict(zip((r.id for r in out.requests), out.lengths))
-        assert fed == {0: 1 + expect_guesses[0], 1: 1 + expect_guesses[1], 2: 6,
-                       **({3: last_chunk} if last_chunk else {})}, (budget, fed)
-        assert [len(r.draft_ids) for r in rs[:2]] == expect_guesses   # the rest were dropped
-
-
-@pytest.mark.parametrize("room,accepted", [(3, 3), (6, 5)])
-def test_accepted_tokens_count_only_guesses_that_reached_the_output(plain, room, accepted):
-    """A verification keeps 5 guesses and adds its own token. When the answer ends three tokens
-    in, the guesses after those three never reached the output and are not counted as accepted;
-    when all six are emitted, the five guesses are (the sixth is the model's own)."""
-    r = plain.new_request(PROMPTS[0], room, SamplingParams(ignore_eos=True))
-    r.num_drafted = 5
-    work = type("Work", (), {"requests": [r], "lengths": [1]})()
-    plain.scheduler.running.append(r)
-    plain.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens))
+# ---------------------------------------------------------------- the step's budget, the counts, the seeds
+def test_guesses_never_cost_a_batch_mate_its_token(tiny_model_dir, plain):
+    """A budget of 8 tokens and four requests: every step feeds every request that is not done (its
+    decode token or its prompt's chunk), as without speculation; guesses get only what is left."""
+    prompts = ["a b a b a b", "c d c d c d", "e f e f e f", "g h g h g h"]
+    oracle, expected = oracle_for(plain, prompts, 30)
+    engine = make(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=8, speculative="ngram",
+                  num_speculative_tokens=4)
+    engine.speculator.proposer = oracle
+    steps = []   # per step: requests fed, requests not finished before it, tokens fed
+    engine.on_step = lambda work, events: steps.append((
+        len(work.requests), len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        + sum(1 for r in work.requests if r.finish_reason), sum(work.lengths)))
     try:
-        plain.postprocess(work, [[11, 12, 13, 14, 15, 16]])
+        got = engine.generate_batch(prompts, 30, SamplingParams(ignore_eos=True))
     finally:
-        if r.id in plain.blocks.tables:
-            plain.blocks.free(r.id)
-        if r in plain.scheduler.running:
-            plain.scheduler.running.remove(r)
-    assert r.new_ids == [11, 12, 13, 14, 15, 16][:room] and r.finish_reason == "length"
-    assert r.num_accepted == accepted
+        engine.close()
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    assert sum(r.metrics.draft_tokens or 0 for r in got) > 0
+    # Steps 0 and 1 admit the prompts (6 + 2 tokens, then 1 + 4 + 3); from step 2 on, all are fed.
+    assert steps[0][1] == 4 and all(fed == alive for fed, alive, _ in steps[2:]), steps
+    assert all(tokens <= 8 for _, _, tokens in steps) and any(tokens > fed for fed, _, tokens in steps)
 
 
-def test_a_rejection_with_nothing_left_beyond_the_draft_draws_from_the_model():
-    """p equal to q (or below it everywhere, by rounding) leaves a residual of zeros, which
-    torch.multinomial refuses; the token then comes from p itself."""
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
-    r = request(SamplingParams(temperature=1.0, seed=3), [2], generator=torch.Generator().manual_seed(3))
-    q = torch.softmax(logits, -1) * 2   # above p everywhere: a rejection leaves nothing beyond q
-    for _ in range(20):
-        r.draft_ids = [2]
-        token = spec.accept_guesses(logits, r, q)[0]
-        assert 0 <= token < 4
+def test_accepted_tokens_count_only_guesses_that_reached_the_output(plain, ngram):
+    """k = 8 guesses, all right, and a stop string at output token m: m guesses were emitted
+    (token 0 came from the prompt's forward), not the 8 that were kept."""
+    oracle, (answer,) = oracle_for(plain, [PROMPTS[0]], 30)
+    ids, decode = answer.output_ids, plain.tokenizer.decode
+    m = next(m for m in range(3, 8) if decode(ids[m]).strip() and decode(ids[m]) not in decode(ids[:m]))
+    saved, ngram.speculator.proposer, ngram.speculator.k = ngram.speculator.proposer, oracle, 8
+    try:
+        got = ngram.generate(PROMPTS[0], 30, SamplingParams(ignore_eos=True, stop=[decode(ids[m])]))
+    finally:
+        ngram.speculator.proposer = saved
+    assert got.output_ids == ids[:m + 1] and got.finish_reason == "stop"
+    assert (got.metrics.draft_tokens, got.metrics.accepted_tokens) == (8, m)
 
 
-def test_the_draft_model_catches_up_in_chunks_under_the_step_budget(tiny_model_dir):
-    """A long prompt is prefilled by the target in chunks of the step budget; the draft model's
-    catch-up on it takes chunks of the same budget, never the whole prompt in one forward."""
-    long_prompt = " ".join(f"word{i}" for i in range(60))
-    fed, outputs = [], {}
-    for method in (None, "draft"):
-        engine = cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN,
-                                               block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
-                                               speculative=method, num_speculative_tokens=4)
-        try:
-            if method:
-                runner = engine.speculator.proposer.runner
-                forward = runner.forward
-                runner.forward = lambda rs, starts, lengths, *rest: (fed.append(sum(lengths)),
-                                                                     forward(rs, starts, lengths, *rest))[1]
-            outputs[method] = [r.output_ids for r in engine.generate_batch([long_prompt, PROMPTS[1]], 12,
-                                                                           SamplingParams(ignore_eos=True))]
-        finally:
-            engine.close()
-    assert len(engine.tokenizer(long_prompt).input_ids) > 100
-    assert fed and max(fed) <= 32, fed
-    assert outputs["draft"] == outputs[None]
+def test_the_draft_catches_up_in_chunks_under_the_token_budget(plain, draft):
+    """A long prompt: the target prefills it in chunks of the step's budget (128 here), and so
+    does the draft model when it catches up; the output is unchanged."""
+    runner = draft.speculator.proposer.runner
+    fed, forward = [], runner.forward
+    runner.forward = lambda requests, starts, lengths, *rest: (fed.append(sum(lengths)),
+                                                               forward(requests, starts, lengths, *rest))[1]
+    draft.speculator.k = 4
+    prompt = " ".join(f"item {i % 37} is on shelf {i % 11}." for i in range(45))
+    endless = SamplingParams(ignore_eos=True)
+    try:
+        got = draft.generate(prompt, 24, endless)
+    finally:
+        del runner.forward
+    assert got.metrics.input_tokens > 3 * 128
+    assert got.output_ids == plain.generate(prompt, 24, endless).output_ids
+    assert max(fed) <= 128 and got.metrics.draft_tokens, fed
+
+
+def test_a_seeded_request_samples_the_same_alone_and_among_20_others(plain, ngram, draft):
+    """Its tokens depend on its seed and positions only: not on its batch mates, nor on how many
+    guesses it was given, nor on who guessed them (a lookup that guesses the greedy answer, a
+    draft model). Batch mates: 10 sampled without a seed, 10 greedy."""
+    oracle, _ = oracle_for(plain, PROMPTS, 30)
+    params = SamplingParams(temperature=0.8, seed=7)
+    saved, ngram.speculator.proposer = ngram.speculator.proposer, oracle
+    outputs = []
+    try:
+        for engine in (ngram, draft):
+            engine.speculator.k = 4
+            alone = engine.generate(PROMPTS[1], 30, params)
+            mates = [engine.new_request(PROMPTS[i % len(PROMPTS)], 30,
+                                        SamplingParams(temperature=0.8) if i % 2 else SamplingParams())
+                     for i in range(20)]
+            mine = engine.new_request(PROMPTS[1], 30, params)
+            streams = engine.submit_all(mates[:10] + [mine] + mates[10:])
+            crowd = [s.result() for s in streams][10]
+            assert alone.metrics.draft_tokens and crowd.output_ids == alone.output_ids
+            outputs.append(alone.output_ids)
+    finally:
+        ngram.speculator.proposer = saved
+    assert outputs[0] == outputs[1]
+
+
+def test_prompt_lookup_cuts_its_guesses_at_the_first_token_the_grammar_forbids(ngram):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    params = SamplingParams(structured={"json_schema": schema})
+    # The prompt ends in "KEY\n", which came before '{"name": 1}': the lookup proposes the
+    # object, whose 1 the schema forbids (a string is required).
+    r = ngram.new_request('KEY\n{"name": 1}\nKEY\n', 20, params)
+    raw = ngram.speculator.proposer.lookup(r.prompt_ids, 8)
+    ngram.speculator.proposer.propose([r], [8], [0], 128)
+    assert 0 < len(r.draft_ids) < len(raw) and r.draft_ids == raw[:len(r.draft_ids)]
+    for token in r.draft_ids:                     # every guess is one the grammar allows, in turn
+        assert r.constraint.accept(token)
+    assert not r.constraint.allowed(raw[len(r.draft_ids)])
+
+
+def test_the_demos_trace_and_table_count_what_was_emitted(plain, ngram, capsys):
+    """The request ends (an EOS, made of its output token m) inside a run of 8 kept guesses: the
+    trace's lines, its summary and the table's tokens per forward all count the m emitted."""
+    import re
+
+    demo = load_script("14_speculative_decoding_demo")
+    oracle, (answer,) = oracle_for(plain, [PROMPTS[0]], 30)
+    ids = answer.output_ids
+    m = next(m for m in range(4, 8) if ids[m] not in ids[:m])
+    saved, eos = ngram.speculator.proposer, plain.output.eos_token_ids
+    ngram.speculator.proposer, ngram.speculator.k = oracle, 8
+    plain.output.eos_token_ids = ngram.output.eos_token_ids = eos | {ids[m]}
+    try:
+        demo.show_trace(ngram, PROMPTS[0], plain.tokenizer, 30)
+        (row,) = demo.sweep(plain, {"oracle": ngram}, [PROMPTS[0]], [8], 30)
+    finally:
+        ngram.speculator.proposer, plain.output.eos_token_ids, ngram.output.eos_token_ids = saved, eos, eos
+    out = capsys.readouterr().out
+    lines = [int(kept) for kept in re.findall(r"^\s+\d+\s+(\d+)/\d+", out, re.MULTILINE)]
+    summary = re.search(r"(\d+) tokens in (\d+) forwards of the model; (\d+) of (\d+) guesses kept", out)
+    assert lines == [0, m] and summary.groups() == (str(m + 1), "2", str(m), "8"), out
+    assert row["tokens_per_forward"] == (m + 1) / 2 and row["acceptance"] == m / 8
