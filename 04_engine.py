@@ -335,7 +335,8 @@ def engine_main(engine_class: type[BaseOfflineEngine], description: str, **defau
                                               if name in takes and name != "dtype"))
     parser.set_defaults(**defaults)
     args = parser.parse_args()
-    return demo(engine_class, args, **cli.engine_options(args))
+    features = {name: value for name, value in cli.engine_options(args).items() if name != "dtype"}  # demo's own
+    return demo(engine_class, args, **features)
 
 
 def main() -> None:

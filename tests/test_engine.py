@@ -315,3 +315,17 @@ def test_a_streamed_answer_prints_as_strip_would_and_returns_the_result(capsys):
     result = object()
     assert engine_mod.print_streamed(["  ", "Hello", " ", "world.\nNext", " line ", "\n", result]) is result
     assert capsys.readouterr().out == "  Hello world.\n  Next line\n"
+
+
+def test_an_engine_script_runs_with_its_features_and_dtype(tiny_model_dir):
+    """engine_main: the demo's --dtype and the engine's feature flags reach the engine once each."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "13_continuous_batching_engine.py", "--model", str(tiny_model_dir),
+                           "--device", "cpu", "--dtype", "bfloat16", "--max-new-tokens", "3", "--prefix-caching"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[Metrics]" in done.stdout and "'prefix_caching': True" in done.stdout
