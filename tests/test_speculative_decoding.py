@@ -397,3 +397,28 @@ def test_the_demos_trace_and_table_count_what_was_emitted(plain, ngram, capsys):
     summary = re.search(r"(\d+) tokens in (\d+) forwards of the model; (\d+) of (\d+) guesses kept", out)
     assert lines == [0, m] and summary.groups() == (str(m + 1), "2", str(m), "8"), out
     assert row["tokens_per_forward"] == (m + 1) / 2 and row["acceptance"] == m / 8
+
+
+def test_through_the_server_a_seeded_request_with_a_draft_model_ignores_its_batch_mates(draft):
+    """The same through the HTTP API, as a client sees it: a seeded sampled completion alone, then
+    the same request among 7 others sent at once, with speculative='draft': the same text."""
+    import asyncio
+
+    import httpx
+
+    server = load_script("05_server")
+    app = server.make_app(draft)
+    body = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            alone = (await client.post("/v1/completions", json=body)).json()
+            others = [{**body, "prompt": PROMPTS[i % len(PROMPTS)], "seed": 100 + i} for i in range(7)]
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in [*others[:3], body,
+                                                                                           *others[3:]]))
+            return alone, answers[3].json()
+
+    alone, crowded = asyncio.run(scenario())
+    assert alone["choices"][0]["text"] and alone["usage"]["completion_tokens"] == 24
+    assert crowded["choices"][0]["text"] == alone["choices"][0]["text"]
