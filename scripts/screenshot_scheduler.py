@@ -25,7 +25,8 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from kit import engine_view, launcher  # noqa: E402
+from kit import launcher  # noqa: E402
+from minivllm.snapshot import FINISHED_KEEP_S  # noqa: E402
 
 ENGINE = "13_continuous_batching_engine:ContinuousBatchingEngine"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -133,7 +134,7 @@ def main() -> None:
                    "--kv-memory", args.kv_memory)
     with launcher.serve_in_subprocess(args.model, engine=ENGINE, device="cpu", args=server_args) as url:
         warm_prefix_cache(url)
-        time.sleep(engine_view.FINISHED_KEEP_S + 1)   # that request has left the page when the class arrives
+        time.sleep(FINISHED_KEEP_S + 1)   # that request has left the page when the class arrives
         driver = browser(args.dark)
         try:
             driver.get(url + "/")
