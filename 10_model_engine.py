@@ -27,7 +27,6 @@ from minivllm.contracts import BaseOfflineEngine, GenerateResult, SamplingParams
 from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device, pick_dtype
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor, Request
-from minivllm.text import tokenize
 
 engine04 = importlib.import_module("04_engine")
 
@@ -83,10 +82,7 @@ class ModelEngine(BaseOfflineEngine):
                     params: SamplingParams | None = None, arrival: float | None = None) -> Request:
         """Check and tokenise now, in the caller's thread: a bad request never reaches the loop.
         A list of token ids is taken as tokenised already (the server tokenises once)."""
-        params = SamplingParams.or_default(params)
-        budget = params.token_budget(max_new_tokens)
-        ids = tokenize(self.tokenizer, prompt, budget, self.context_length, self.model.config.vocab_size)
-        return self.output.new_request(ids, params, budget, arrival)
+        return self.output.request_for(prompt, max_new_tokens, params, self.context_length, arrival)
     # --8<-- [end:new-request]
 
     # --8<-- [start:run]

@@ -31,7 +31,6 @@ from minivllm.model_runner import ModelRunner
 from minivllm.output import OutputProcessor, Request
 from minivllm.scheduler import Scheduler
 from minivllm.snapshot import describe, request_row
-from minivllm.text import tokenize
 
 
 class LLMEngine(EngineLoop, BaseOfflineEngine):
@@ -87,11 +86,9 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
                     params: SamplingParams | None = None, arrival: float | None = None) -> Request:
         """Check and tokenise now, in the caller's thread: a bad request never reaches the loop.
         A list of token ids is taken as tokenised already (the server tokenises once)."""
-        params = SamplingParams.or_default(params)
-        budget = params.token_budget(max_new_tokens)
-        ids = tokenize(self.tokenizer, prompt, budget, self.context_length, self.model.config.vocab_size)
-        self.blocks.check_fits(len(ids), budget)
-        return self.output.new_request(ids, params, budget, arrival)
+        r = self.output.request_for(prompt, max_new_tokens, params, self.context_length, arrival)
+        self.blocks.check_fits(r.n_prompt, r.budget)
+        return r
     # --8<-- [end:new-request]
 
     # --8<-- [start:step]

@@ -17,7 +17,7 @@ import torch
 from minivllm import sampling
 from minivllm.contracts import NO_STRUCTURED_OUTPUT, GenerateResult, RequestMetrics, SamplingParams
 from minivllm.sampling import TokenHistory
-from minivllm.text import IncrementalDetokenizer, attach_logprobs
+from minivllm.text import IncrementalDetokenizer, attach_logprobs, tokenize
 
 # --8<-- [start:request]
 @dataclass(eq=False)
@@ -121,6 +121,17 @@ class OutputProcessor:
         self.tokenizer, self.eos_token_ids, self.vocab_size, self.device = tokenizer, eos_token_ids, vocab_size, device
         self.structured_output = structured_output   # Chapter 11's feature object, when the engine has it
         self._ids = itertools.count()
+
+    # --8<-- [start:request-for]
+    def request_for(self, prompt: str | list[int], max_new_tokens: int, params: SamplingParams | None,
+                    context_length: int, arrival: float | None = None) -> Request:
+        """A prompt (text, or token ids tokenised already) checked against its budget and the context,
+        tokenised, and made a request: what an engine's new_request does, in the caller's thread."""
+        params = SamplingParams.or_default(params)
+        budget = params.token_budget(max_new_tokens)
+        ids = tokenize(self.tokenizer, prompt, budget, context_length, self.vocab_size)
+        return self.new_request(ids, params, budget, arrival)
+    # --8<-- [end:request-for]
 
     def new_request(self, prompt_ids: list[int], params: SamplingParams, budget: int,
                     arrival: float | None = None) -> Request:
