@@ -100,7 +100,7 @@ class LLM(LLMEngine):
             runner = parallel.start(folder, dtype, device, num_blocks, block_size, steps)
         else:
             weights = load_model(folder, dtype, device, steps)
-            pool = KVPool.from_memory(weights.config, kv_memory, block_size, weights.dtype, weights.device)
+            pool = KVPool(weights.config, num_blocks, block_size, weights.dtype, weights.device)
             graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
             runner = graphs.runner(weights, pool) if graphs else ModelRunner(weights, pool)
         self._report(runner)
