@@ -32,6 +32,13 @@ MAX_SPECULATIVE_TOKENS = 16
 # costs about what a token does: a busy step guesses less (16 decoding requests one guess each,
 # 17 or more none; --concurrent in 14_speculative_decoding_demo.py measures it).
 SPECULATION_TOKEN_BUDGET = 32
+# A request whose guesses keep failing (a sampled answer that never repeats itself) pays every step
+# for verified rows that are thrown away: on a CPU's plain matmuls, two to nine rows cost 1.7 to 2.6
+# times one row. After m verifications in a row that kept nothing, it sits out 2**(m-1) - 1 decode
+# steps, at most MAX_REST: one miss costs nothing (a copying answer that paused), and a request whose
+# guesses never match has them verified once every MAX_REST + 1 steps. Output is unchanged: a guess
+# never decides a token, only how many tokens one forward yields.
+MAX_REST = 15
 # An answer that copies its input: prompt lookup's best case (main()'s default prompt).
 COPYING_PROMPT = ("Repeat the first two sentences of this text word for word: A KV cache stores the keys and "
                   "values that attention computed for earlier tokens. Without it, every new token would recompute "
@@ -228,7 +235,9 @@ class Speculator:
     def __init__(self, name: str, proposer, num_speculative_tokens: int):
         self.name, self.proposer, self.k = name, proposer, num_speculative_tokens
         self.seeds: dict[int, int] = {}                    # request id -> seed of its draws
-        self.kept: dict[int, tuple[int, int]] = {}         # id(request) -> (outputs before, guesses kept)
+        self.kept: dict[int, tuple[int, int, int]] = {}    # id(request) -> (outputs before, guesses made, kept)
+        self.misses: dict[int, int] = {}                   # request id -> verifications in a row that kept nothing
+        self.resting: dict[int, int] = {}                  # request id -> decode steps left without guesses
 
     def seed(self, r: Request) -> int:
         """The request's own seed; an unseeded request gets one from torch's global stream, once."""
@@ -244,13 +253,21 @@ class Speculator:
         at a time in turn, so nobody gets a second before every other has had a first."""
         decoding = [r for r, n in zip(work.requests, work.lengths) if n == 1 and r.num_tokens - r.num_computed == 1]
         per_request = SPECULATION_TOKEN_BUDGET // max(1, len(decoding)) - 1   # a busy step guesses less
-        wants = [max(0, min(self.k, per_request, r.budget - len(r.new_ids) - 1)) for r in decoding]
+        wants = [0 if self.rest(r) else max(0, min(self.k, per_request, r.budget - len(r.new_ids) - 1))
+                 for r in decoding]
         spare, ks = max_num_batched_tokens - work.num_tokens, [0] * len(decoding)
         for _ in range(max(wants, default=0)):
             for i, want in enumerate(wants):
                 if spare and ks[i] < want:
                     ks[i], spare = ks[i] + 1, spare - 1
         self.proposer.propose(decoding, ks, [self.seed(r) for r in decoding], max_num_batched_tokens)
+
+    def rest(self, r: Request) -> bool:
+        """Whether r sits out this step's guessing (one step of its rest taken)."""
+        if self.resting.get(r.id, 0) == 0:
+            return False
+        self.resting[r.id] -= 1
+        return True
 
     def step(self, runner, requests: list[Request], starts: list[int], lengths: list[int],
              places: list) -> list[list[int] | None]:
@@ -270,7 +287,7 @@ class Speculator:
                     r.logprobs.extend(sampling.token_logprobs(logits[i][:len(runs[i])], runs[i],
                                                               [r.params.logprobs] * len(runs[i])))
                 r.num_drafted += len(r.draft_ids)
-                self.kept[id(r)] = (len(r.new_ids), kept)
+                self.kept[id(r)] = (len(r.new_ids), len(r.draft_ids), kept)
                 r.draft_ids = []
         return runs
 
@@ -279,11 +296,16 @@ class Speculator:
         EOS or the budget may end the request inside a run, and what follows is never emitted."""
         for r in requests:
             if id(r) in self.kept:
-                before, kept = self.kept.pop(id(r))
-                r.num_accepted += min(len(r.new_ids) - before, kept)
+                before, guessed, kept = self.kept.pop(id(r))
+                kept = min(len(r.new_ids) - before, kept)
+                r.num_accepted += kept
+                if guessed and not r.finish_reason:     # did its guesses buy anything? (MAX_REST)
+                    misses = 0 if kept else self.misses.get(r.id, 0) + 1
+                    self.misses[r.id], self.resting[r.id] = misses, min(2 ** max(misses - 1, 0) - 1, MAX_REST)
 
     def release(self, request: Request) -> None:
-        self.seeds.pop(request.id, None)
+        for memory in (self.seeds, self.misses, self.resting):
+            memory.pop(request.id, None)
         self.proposer.release(request)
 # --8<-- [end:verify]
 

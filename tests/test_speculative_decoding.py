@@ -422,3 +422,38 @@ def test_through_the_server_a_seeded_request_with_a_draft_model_ignores_its_batc
     alone, crowded = asyncio.run(scenario())
     assert alone["choices"][0]["text"] and alone["usage"]["completion_tokens"] == 24
     assert crowded["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+class WrongFor(Oracle):
+    """The oracle, except for one prompt, whose guesses are always wrong (a token its greedy
+    answer never takes at that position)."""
+
+    def __init__(self, answers, wrong: tuple):
+        super().__init__(answers)
+        self.wrong = wrong
+
+    def propose(self, requests, ks, *rest):
+        super().propose(requests, ks, *rest)
+        for r in requests:
+            if tuple(r.prompt_ids) == self.wrong:
+                r.draft_ids = [(t + 1) % 50 for t in r.draft_ids]
+
+
+def test_a_request_whose_guesses_never_match_rests_and_one_whose_guesses_match_does_not(tiny_model_dir, plain):
+    """60 decode steps. The right guesser's request is verified at every step it decodes; the
+    wrong one's after m misses in a row sits out 2**(m-1) - 1 steps (at most MAX_REST): verified
+    at decode steps 1, 2, 4, 8, 16, 32, 48 — seven times, not sixty. Output is the same either way."""
+    prompts = [PROMPTS[0], PROMPTS[4]]
+    oracle, expected = oracle_for(plain, prompts, 61)
+    wrong = tuple(plain.new_request(prompts[1], 61).prompt_ids)
+    engine = make(tiny_model_dir, speculative="ngram", num_speculative_tokens=1)
+    engine.speculator.proposer = WrongFor(oracle.answers, wrong)
+    try:
+        got = engine.generate_batch(prompts, 61, SamplingParams(ignore_eos=True))
+        assert not engine.speculator.misses and not engine.speculator.resting   # forgotten on leaving
+    finally:
+        engine.close()
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    right_one, wrong_one = got
+    assert right_one.metrics.accepted_tokens == right_one.metrics.draft_tokens >= 30
+    assert (wrong_one.metrics.draft_tokens, wrong_one.metrics.accepted_tokens) == (7, 0)
