@@ -65,7 +65,7 @@ def main() -> None:
         args.tensor_parallel_size = int(os.environ["WORLD_SIZE"])
         if int(os.environ["RANK"]) != 0:
             return serve_rank(int(os.environ["RANK"]), args.tensor_parallel_size, args.device)
-    options = cli.engine_options(args)
+    options = {name: value for name, value in cli.engine_options(args).items() if name != "dtype"}  # demo's own
     if torch.device(pick_device(args.device)).type == "cuda" and torch.cuda.device_count() == 1:
         print("[tensor parallel] one GPU visible: only tensor_parallel_size 1 runs here")
     try:
