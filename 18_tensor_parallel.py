@@ -33,13 +33,15 @@ import torch
 
 from kit import cli
 from minivllm.llm import LLM
-from minivllm.parallel import (GROUP_TIMEOUT, Collectives, RowParallel, Shard, VocabShard,  # noqa: F401
+from minivllm.collectives import Collectives  # noqa: F401
+from minivllm.parallel import (GROUP_TIMEOUT, RowParallel, Shard, VocabShard,  # noqa: F401
                                check_size, gather_stats, join, rank_device, serve, shard)
 from minivllm.model_files import pick_device
 
 engine04 = importlib.import_module("04_engine")
 
-# The split (collectives, the sharded weights, a worker's life) lives in minivllm/parallel.py.
+# The split (the sharded weights, read rank by rank, and a worker's life) lives in minivllm/parallel.py,
+# the collectives in minivllm/collectives.py.
 
 
 def serve_rank(rank: int, size: int, device: str | None) -> None:
@@ -65,7 +67,7 @@ def main() -> None:
         args.tensor_parallel_size = int(os.environ["WORLD_SIZE"])
         if int(os.environ["RANK"]) != 0:
             return serve_rank(int(os.environ["RANK"]), args.tensor_parallel_size, args.device)
-    options = cli.engine_options(args)
+    options = {name: value for name, value in cli.engine_options(args).items() if name != "dtype"}  # demo's own
     if torch.device(pick_device(args.device)).type == "cuda" and torch.cuda.device_count() == 1:
         print("[tensor parallel] one GPU visible: only tensor_parallel_size 1 runs here")
     try:

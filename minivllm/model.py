@@ -140,6 +140,7 @@ class LlamaModel:
         self.dtype, self.device = weights["embed"].dtype, weights["embed"].device
         self.inv_freq = rope_frequencies(config).to(self.device)
         self.format_name: str | None = None    # a weight format's name (Chapter 12); None: as loaded
+        self.part = None                       # which part of each tensor was read (Chapter 14); None: all
 
     def with_weights(self, weights: dict) -> LlamaModel:
         """The same model (config, forward pass, features so far) over other weights."""
@@ -149,49 +150,57 @@ class LlamaModel:
 
     # --8<-- [start:load]
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> LlamaModel:
-        """Read config.json and model.safetensors; fuse QKV and gate/up as we load."""
+    def from_folder(cls, folder: str | Path, dtype=torch.float32, device="cpu", part=None) -> LlamaModel:
+        """Read config.json and the .safetensors files, one tensor at a time; fuse QKV and gate/up
+        as we load. `part(name, config)` says which rows or columns of a tensor to read (a
+        tensor-parallel rank's slice, Chapter 14), None for all of it: only that part is read."""
         folder = Path(folder)
         config = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder} has no .safetensors weights")
-        tensors = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                tensors.update({name: f.get_tensor(name) for name in f.keys()})
         c, kv = config, config.num_kv_heads * config.head_dim
+        with contextlib.ExitStack() as stack:
+            # Open every file, read nothing yet: the header says each tensor's name and shape.
+            opened = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
+            where = {name: f for f in opened for name in f.keys()}
 
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            if name not in tensors:
-                raise ValueError(f"{folder}: tensor {name!r} is missing from the safetensors file")
-            if tuple(tensors[name].shape) != shape:
-                raise ValueError(f"{folder}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                                 f"the config implies {shape}")
-            return tensors[name].to(device=device, dtype=dtype)
+            def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+                if name not in where:
+                    raise ValueError(f"{folder}: tensor {name!r} is missing from the safetensors file")
+                stored = where[name].get_slice(name)
+                if tuple(stored.get_shape()) != shape:
+                    raise ValueError(f"{folder}: tensor {name!r} has shape {tuple(stored.get_shape())}, "
+                                     f"the config implies {shape}")
+                index = part(name, config) if part else None
+                tensor = where[name].get_tensor(name) if index is None else stored[index]
+                return tensor.to(device=device, dtype=dtype)
 
-        w = {"embed": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
-             "norm": take("model.norm.weight", (c.hidden_size,))}
-        if c.tie_word_embeddings:
-            w["lm_head"] = w["embed"]     # one matrix, read twice: 113 MB saved on the default model
-        else:
-            w["lm_head"] = take("lm_head.weight", (c.vocab_size, c.hidden_size))
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            q = take(p + "self_attn.q_proj.weight", (c.num_heads * c.head_dim, c.hidden_size))
-            k = take(p + "self_attn.k_proj.weight", (kv, c.hidden_size))
-            v = take(p + "self_attn.v_proj.weight", (kv, c.hidden_size))
-            gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
-            up = take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
-            # Three projections of the same input are one matmul with stacked weights: the
-            # input is read once and one larger GEMM keeps the cores busier than three small ones.
-            w[p + "qkv"] = input_major(torch.cat([q, k, v]))
-            w[p + "gate_up"] = input_major(torch.cat([gate, up]))
-            w[p + "o"] = input_major(take(p + "self_attn.o_proj.weight", (c.hidden_size, c.num_heads * c.head_dim)))
-            w[p + "down"] = input_major(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)))
-            w[p + "norm1"] = take(p + "input_layernorm.weight", (c.hidden_size,))
-            w[p + "norm2"] = take(p + "post_attention_layernorm.weight", (c.hidden_size,))
-        return cls(config, w)
+            w = {"embed": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+                 "norm": take("model.norm.weight", (c.hidden_size,))}
+            if c.tie_word_embeddings:
+                w["lm_head"] = w["embed"]     # one matrix, read twice: 113 MB saved on the default model
+            else:
+                w["lm_head"] = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            for i in range(c.num_layers):
+                p = f"model.layers.{i}."
+                q = take(p + "self_attn.q_proj.weight", (c.num_heads * c.head_dim, c.hidden_size))
+                k = take(p + "self_attn.k_proj.weight", (kv, c.hidden_size))
+                v = take(p + "self_attn.v_proj.weight", (kv, c.hidden_size))
+                gate = take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size))
+                up = take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size))
+                # Three projections of the same input are one matmul with stacked weights: the
+                # input is read once and one larger GEMM keeps the cores busier than three small ones.
+                w[p + "qkv"] = input_major(torch.cat([q, k, v]))
+                w[p + "gate_up"] = input_major(torch.cat([gate, up]))
+                w[p + "o"] = input_major(take(p + "self_attn.o_proj.weight",
+                                              (c.hidden_size, c.num_heads * c.head_dim)))
+                w[p + "down"] = input_major(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)))
+                w[p + "norm1"] = take(p + "input_layernorm.weight", (c.hidden_size,))
+                w[p + "norm2"] = take(p + "post_attention_layernorm.weight", (c.hidden_size,))
+        model = cls(config, w)
+        model.part = part     # a part read: the config is still the whole model's (Chapter 14 finishes it)
+        return model
     # --8<-- [end:load]
 
     @property

@@ -31,8 +31,13 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="c
     turn, as gpt-fast's quantize.py swaps modules once they are loaded. A feature is an object
     that takes a model and returns one with other weights (or another forward): a weight
     format (Chapter 12), compiled steps (Chapter 13), a tensor-parallel shard (Chapter 14).
-    Features check their settings when they are made, so a typo costs no load."""
-    model = LlamaModel.from_folder(folder, dtype, device)
+    A feature that needs only part of each tensor says which (`part`, the shard's slices), and
+    only that part is read from the files. Features check their settings when they are made,
+    so a typo costs no load."""
+    parts = [feature.part for feature in features if hasattr(feature, "part")]
+    if len(parts) > 1:
+        raise ValueError("load_model: more than one feature asks for part of each tensor")
+    model = LlamaModel.from_folder(folder, dtype, device, parts[0] if parts else None)
     for feature in features:
         model = feature(model)
     return model

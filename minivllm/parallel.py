@@ -1,31 +1,30 @@
 """Chapter 14: tensor parallelism. Every layer's matrices split over N processes.
 
-    QKV and gate/up   split by columns: rank r owns whole attention heads (and their KV heads)
-                      and a slice of the MLP; each rank's output is its own
+    QKV and gate/up   split by columns: rank r owns whole attention heads (and their KV heads,
+                      or a copy of the one they share when ranks outnumber KV heads) and a
+                      slice of the MLP; each rank's output is its own
     O and down        split by rows: each rank's partial sum is added across ranks by one
                       all-reduce, and every rank holds the full hidden state again
     embedding, LM head  split over the vocabulary: each rank looks up the ids it owns (an
                       all-reduce fills in the rest) and scores its words (an all-gather)
 
-This is Megatron-LM's layout, used by vLLM, SGLang and nano-vllm alike. The split matrices
-are weights that talk (`RowParallel`, `VocabShard`): Chapter 6's forward pass is untouched,
-and a weight format or compiled steps apply to each rank's slices. The processes themselves
-are in `parallel_workers.py`.
+This is Megatron-LM's layout, used by vLLM, SGLang and nano-vllm alike. Each rank reads only
+its own slices from the checkpoint (`Shard.part`), so no process ever holds the whole model.
+The split matrices are weights that talk (`RowParallel`, `VocabShard`): Chapter 6's forward pass
+is untouched, and a weight format or compiled steps apply to each rank's slices. The
+collectives are in `collectives.py`, the processes themselves in `parallel_workers.py`.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import datetime
 import os
-import pickle
-import time
 
 import torch
 import torch.distributed as dist
 
+from minivllm.collectives import Collectives
 from minivllm.kv_cache import KVPool
 from minivllm.model import LlamaModel, ModelConfig
 from minivllm.weights import input_major, matmul, nbytes
@@ -39,74 +38,28 @@ GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 # --8<-- [start:check]
 def check_size(config: ModelConfig | None, size: int) -> None:
-    """Each rank owns whole query heads, whole KV heads and an equal slice of the MLP; refused
-    in one line otherwise (vLLM has the same rule), before any process starts."""
+    """Each rank owns whole query heads and an equal slice of the MLP. KV heads are split too when
+    the ranks divide them; when the ranks outnumber them, each KV head is copied to the
+    size / num_kv_heads ranks whose query heads read it (vLLM does the same). Refused in one
+    line otherwise, before any process starts."""
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
         raise ValueError(f"tensor_parallel_size must be an integer in [1, 64], got {size!r}")
     if config is None:
         return
-    counts = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
-              "MLP columns": config.intermediate_size}
-    bad = [f"{n} {what}" for what, n in counts.items() if n % size]
-    if bad:
-        fits = [n for n in range(1, 65) if all(c % n == 0 for c in counts.values())]
+
+    def problems(n: int) -> list[str]:
+        bad = [f"{k} {what}" for what, k in (("attention heads", config.num_heads),
+                                             ("MLP columns", config.intermediate_size)) if k % n]
+        if config.num_kv_heads % n and n % config.num_kv_heads:   # neither splits nor copies them evenly
+            bad.insert(1, f"{config.num_kv_heads} KV heads")
+        return bad
+
+    if bad := problems(size):
+        fits = [n for n in range(1, 65) if not problems(n)]
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {' and '.join(bad)}: "
-                         f"each rank must own whole heads (sizes that fit: {', '.join(map(str, fits))})")
+                         f"each rank must own whole query heads, and the KV heads must split evenly over the "
+                         f"ranks or be copied evenly to them (sizes that fit: {', '.join(map(str, fits))})")
 # --8<-- [end:check]
-
-
-# --8<-- [start:collectives]
-class Collectives:
-    """The collectives of a tensor-parallel step, each one timed and counted.
-
-    Time spent inside them is what N processes pay for talking (and for waiting on the slowest
-    rank); the rest of a step is compute. On CUDA the clock waits for the GPU, so the split is
-    honest there too (at the price of the overlap a production engine keeps).
-    """
-
-    def __init__(self, rank: int, size: int, device: torch.device):
-        self.rank, self.size = rank, size
-        self.sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        self.reset()
-
-    def reset(self) -> None:
-        self.count, self.bytes, self.seconds = collections.Counter(), collections.Counter(), 0.0
-
-    @contextlib.contextmanager
-    def timed(self, kind: str, nbytes: int):
-        self.sync()
-        start = time.perf_counter()
-        yield
-        self.sync()
-        self.seconds += time.perf_counter() - start
-        self.count[kind] += 1
-        self.bytes[kind] += nbytes
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x becomes the sum of all ranks' x (in place)."""
-        if self.size > 1:
-            with self.timed("all_reduce", x.numel() * x.element_size()):
-                dist.all_reduce(x)
-        return x
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, cols] on every rank -> [rows, size * cols], rank 0's columns first."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        with self.timed("all_gather", x.numel() * x.element_size() * self.size):
-            dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
-
-    def broadcast(self, message=None):
-        """Rank 0's Python object, on every rank (pickled; the other ranks pass None)."""
-        if self.size == 1:
-            return message
-        box = [message]
-        with self.timed("broadcast", len(pickle.dumps(message)) if self.rank == 0 else 0):
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
-# --8<-- [end:collectives]
 
 
 # --8<-- [start:vocab]
@@ -126,11 +79,12 @@ class VocabShard:
         self.device = device or wrapped.device
 
     @classmethod
-    def of(cls, table: torch.Tensor, rank: int, size: int, comm: Collectives) -> VocabShard:
-        vocab_size, per_rank = table.shape[0], -(-table.shape[0] // size)   # the last rank may pad
-        rows = table[rank * per_rank: (rank + 1) * per_rank]
-        return cls(torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], rows.shape[1])]),
-                   rank * per_rank, vocab_size, comm)
+    def of(cls, rows: torch.Tensor, start: int, per_rank: int, vocab_size: int, comm: Collectives) -> VocabShard:
+        """A rank's rows of the table (from `start`), padded with zero rows to per_rank: the last
+        rank's block may run past the end of the vocabulary."""
+        if rows.shape[0] < per_rank:
+            rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], rows.shape[1])])
+        return cls(rows, start, vocab_size, comm)
 
     def replace(self, wrapped) -> VocabShard:
         return VocabShard(wrapped, self.start, self.vocab_size, self.comm, self.dtype, self.device)
@@ -173,50 +127,103 @@ class RowParallel:
         return self.comm.all_reduce(matmul(self.wrapped, x))
 
 
-def shard(model: LlamaModel, rank: int, size: int, comm: Collectives) -> LlamaModel:
-    """Rank `rank`'s slices of a loaded model (Megatron's split): Chapter 6's LlamaModel with the
-    rank's own head counts and MLP width in its config (attention and the KV pool read them),
-    column slices as plain tensors and the row-split and vocabulary-split matrices wrapped with
-    their collectives; the forward pass is untouched. Every slice is a copy, so the full
-    model's memory goes once the caller lets it go."""
-    c, w = model.config, model.w
-    check_size(c, size)
-    d, heads, kv_heads, mlp = c.head_dim, c.num_heads // size, c.num_kv_heads // size, c.intermediate_size // size
-
-    def rows(m: torch.Tensor, first: int, n: int) -> torch.Tensor:   # rank's block of n rows after `first`
-        return m[first + rank * n: first + (rank + 1) * n]
-
-    embed = VocabShard.of(w["embed"], rank, size, comm)
-    out = {"embed": embed, "norm": w["norm"],
-           "lm_head": embed if w["lm_head"] is w["embed"] else VocabShard.of(w["lm_head"], rank, size, comm)}
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        qkv, gate_up = w[p + "qkv"], w[p + "gate_up"]    # fused at load: [q; k; v] and [gate; up] rows
-        out[p + "qkv"] = input_major(torch.cat([
-            rows(qkv, 0, heads * d), rows(qkv, c.num_heads * d, kv_heads * d),
-            rows(qkv, (c.num_heads + c.num_kv_heads) * d, kv_heads * d)]))
-        out[p + "gate_up"] = input_major(torch.cat([rows(gate_up, 0, mlp),
-                                                            rows(gate_up, c.intermediate_size, mlp)]))
-        out[p + "o"] = RowParallel(input_major(rows(w[p + "o"].T, 0, heads * d).T), comm)       # input columns
-        out[p + "down"] = RowParallel(input_major(rows(w[p + "down"].T, 0, mlp).T), comm)
-        out[p + "norm1"], out[p + "norm2"] = w[p + "norm1"], w[p + "norm2"]      # small: every rank keeps them
-    config = dataclasses.replace(c, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=mlp)
-    return LlamaModel(config, out)
-
-
 class Shard:
-    """Tensor parallelism's step of `load_model` (Chapter 6): model -> this rank's share. It comes
-    first, so that a weight format (Chapter 12) quantises the slices and packing (Chapter 13)
-    packs them: every rank holds its own slice in the engine's format."""
+    """Tensor parallelism's step of `load_model` (Chapter 6): this rank's share of the model.
+
+    `part` is asked by the loader, for each tensor of the checkpoint, which rows or columns this
+    rank needs, so a rank reads only its own slices from the files; the call then gives the slices
+    their collectives and the rank's head counts. It comes first, so that a weight format
+    (Chapter 12) quantises the slices and packing (Chapter 13) packs them."""
 
     name = "tensor_parallel"
 
     def __init__(self, rank: int, size: int, comm: Collectives):
         self.rank, self.size, self.comm = rank, size, comm
 
+    def part(self, name: str, config: ModelConfig) -> tuple[slice, ...] | None:
+        """The index of this rank's part of the checkpoint's tensor `name` (an [out, in] matrix):
+        `[rows]` for QKV and gate/up (whole heads, a block of the MLP), `[:, columns]` for O and
+        down (their matching inputs), vocabulary rows for the embedding and LM head; None: all of
+        it (the norms, small, are on every rank)."""
+        c, r, heads, kv_heads, mlp = config, self.rank, *rank_counts(config, self.size)
+        kind, d = name.split(".")[-2], c.head_dim
+        if kind == "q_proj":
+            return (slice(r * heads * d, (r + 1) * heads * d),)
+        if kind in ("k_proj", "v_proj"):   # ranks outnumbering KV heads share one: r's query heads read it
+            first = r * c.num_kv_heads // self.size
+            return (slice(first * d, (first + kv_heads) * d),)
+        if kind in ("gate_proj", "up_proj"):
+            return (slice(r * mlp, (r + 1) * mlp),)
+        if kind == "o_proj":
+            return (slice(None), slice(r * heads * d, (r + 1) * heads * d))
+        if kind == "down_proj":
+            return (slice(None), slice(r * mlp, (r + 1) * mlp))
+        if kind in ("embed_tokens", "lm_head"):
+            rows = vocab_rows(c.vocab_size, self.size)      # the last rank's block may run past the end
+            return (slice(r * rows, min((r + 1) * rows, c.vocab_size)),)
+        return None
+
     def __call__(self, model: LlamaModel) -> LlamaModel:
-        return shard(model, self.rank, self.size, self.comm)
+        """The rank's LlamaModel: Chapter 6's, with the rank's head counts and MLP width in its
+        config (attention and the KV pool read them), column slices as plain tensors and the
+        row-split and vocabulary-split matrices wrapped with their collectives; the forward pass
+        is untouched. A model read whole (no `part`) is cut here, by the same `part`."""
+        if model.part != self.part:
+            model = cut(model, self.part)
+        c, w, comm = model.config, model.w, self.comm
+        heads, kv_heads, mlp = rank_counts(c, self.size)
+        per_rank = vocab_rows(c.vocab_size, self.size)
+        table = lambda rows: VocabShard.of(rows, self.rank * per_rank, per_rank, c.vocab_size, comm)  # noqa: E731
+        embed = table(w["embed"])
+        out = {**w, "embed": embed, "lm_head": embed if w["lm_head"] is w["embed"] else table(w["lm_head"])}
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "o"], out[p + "down"] = RowParallel(w[p + "o"], comm), RowParallel(w[p + "down"], comm)
+        config = dataclasses.replace(c, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=mlp)
+        return LlamaModel(config, out)
 # --8<-- [end:model]
+
+
+def rank_counts(config: ModelConfig, size: int) -> tuple[int, int, int]:
+    """A rank's query heads, KV heads and MLP columns (one KV head when the ranks outnumber them)."""
+    check_size(config, size)
+    return config.num_heads // size, max(1, config.num_kv_heads // size), config.intermediate_size // size
+
+
+def vocab_rows(vocab_size: int, size: int) -> int:
+    return -(-vocab_size // size)
+
+
+# The fused matrices of Chapter 6's loader, as the checkpoint's pieces stacked by rows.
+STACKED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"),
+           "o": ("o_proj",), "down": ("down_proj",)}
+
+
+def cut(model: LlamaModel, part) -> LlamaModel:
+    """A model read whole, cut to `part` as the loader would have read it: each fused matrix is
+    taken apart into the checkpoint's pieces, each piece is indexed by `part`, and the slices are
+    stacked again. Every slice is a copy, so the full model's memory goes once the caller drops it."""
+    c, d = model.config, model.config.head_dim
+    rows = {"q_proj": c.num_heads * d, "k_proj": c.num_kv_heads * d, "v_proj": c.num_kv_heads * d,
+            "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size, "o_proj": c.hidden_size,
+            "down_proj": c.hidden_size}
+    w = {name: t[part("model.embed_tokens.weight", c)].clone() if name in ("embed", "lm_head") else t
+         for name, t in model.w.items()}
+    if model.w["lm_head"] is model.w["embed"]:
+        w["lm_head"] = w["embed"]
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        for fused, pieces in STACKED.items():
+            full = torch.split(model.w[p + fused], [rows[piece] for piece in pieces])
+            w[p + fused] = input_major(torch.cat([t[part(f"{p}{piece}.weight", c)] for piece, t in zip(pieces, full)]))
+    sliced = model.with_weights(w)
+    sliced.part = part
+    return sliced
+
+
+def shard(model: LlamaModel, rank: int, size: int, comm: Collectives) -> LlamaModel:
+    """Rank `rank`'s share of a model read whole (what each rank reads for itself with `Shard`)."""
+    return Shard(rank, size, comm)(model)
 
 
 # ---------------------------------------------------------------- a worker's life (rank 1 .. N-1)

@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 from minivllm.kv_cache import KVPool
 from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner, load_model
-from minivllm.parallel import Collectives, Shard, check_size, gather_stats, join, rank_device, serve
+from minivllm.collectives import Collectives
+from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, serve
 
 # --8<-- [start:feature]
 class TensorParallel:
@@ -55,8 +56,10 @@ class TensorParallel:
 
     def start(self, folder: Path, dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
               features: Sequence = ()) -> TensorParallelRunner:
-        """Start the workers, load rank 0's shard and its KV pool (num_blocks blocks, each with only
-        this rank's KV heads, so the block manager and scheduler are those of one process)."""
+        """Start the workers, load rank 0's shard (only its slices are read from the files) and its
+        KV pool: num_blocks blocks, counted from the whole model's config before any load, so the
+        same on every rank, each block holding only this rank's KV heads; the block manager and
+        scheduler are those of one process. Nothing whole is built here, weights or pool."""
         group = ProcessGroup(self.size, device) if self.size > 1 else None
         try:
             comm = Collectives(0, self.size, device)

@@ -86,6 +86,8 @@ def test_speculative_verification_runs_on_every_rank(single, parallel):
     parallel.speculator = spec.SpeculativeDecoding("draft", 4).build(   # this model on int4, on rank 0
         parallel.model, parallel.folder, KV, parallel.pool.block_size, [quant.WeightFormat("int4", 32)])
     try:
+        draft = parallel.speculator.proposer.runner   # the whole draft model, on a pool of the budget asked for
+        assert draft.model.config == single.model.config and draft.kv.num_blocks == single.pool.num_blocks
         params = engine04.SamplingParams(ignore_eos=True)
         one, two = single.generate_batch(PROMPTS[:4], 16, params), parallel.generate_batch(PROMPTS[:4], 16, params)
         assert [r.output_ids for r in one] == [r.output_ids for r in two]
