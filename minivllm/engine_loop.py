@@ -122,6 +122,8 @@ class EngineLoop:
                         self._by_id.pop(r.id, None)
                         r.sink.put(("done", self.output.result(r)))
             except Exception as exc:              # fail what was in flight, never the loop itself
+                if isinstance(exc, EngineUnavailable):   # and refuse what comes next, if nothing can be served
+                    self.fail(str(exc))
                 self._fail_in_flight(exc)
     # --8<-- [end:loop]
 

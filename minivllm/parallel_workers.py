@@ -33,6 +33,7 @@ from minivllm.kv_cache import KVPool
 from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.collectives import Collectives
+from minivllm.engine_loop import EngineUnavailable
 from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, serve
 
 # --8<-- [start:feature]
@@ -89,7 +90,7 @@ class TensorParallelRunner(ModelRunner):
         """Every rank runs the same forward: the batch goes to the workers first."""
         with self.lock:
             if self.closed:
-                raise RuntimeError("the tensor-parallel group is closed")
+                raise EngineUnavailable("the tensor-parallel group is closed")
             comm = self.comm
             comm.reset()
             start = time.perf_counter()
@@ -98,10 +99,12 @@ class TensorParallelRunner(ModelRunner):
                 comm.broadcast(("step", new_tokens, places, starts, num_logits))
                 logits = self.model.forward(self.kv.batch(new_tokens, places, starts, self.model.device), self.kv,
                                             num_logits=num_logits)
-            except BaseException:   # ranks may now wait at different collectives: the group cannot go on
+            except BaseException as exc:   # ranks may now wait at different collectives: the group cannot go on
                 self.closed = True
                 if self.group:
                     self.group.close(grace=0.0)
+                if isinstance(exc, Exception):   # nothing more can be served: the server says 503
+                    raise EngineUnavailable(f"a tensor-parallel step failed: {exc}") from exc
                 raise
             comm.sync()
             self.steps.append({"prefill": max(lengths) > 1, "seqs": len(lengths),

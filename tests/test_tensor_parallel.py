@@ -207,6 +207,25 @@ def test_a_dying_worker_ends_the_streams_with_an_error_and_refuses_new_requests(
             proc.wait()
 
 
+def test_a_step_that_finds_the_group_gone_refuses_every_later_request(tiny_model_dir):
+    """The step can see the group fail before the watcher does: the runner says the engine is
+    unavailable (the server's 503), not a bare RuntimeError (a 500), and the loop refuses what
+    comes next with the same error, whichever of the two noticed first."""
+    from minivllm.engine_loop import EngineUnavailable
+    from minivllm.parallel_workers import TensorParallelRunner
+    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
+    gone = TensorParallelRunner(engine.runner.model, engine.runner.kv, None, None)
+    gone.closed = True                                   # the group went away before this step
+    engine.runner = gone
+    try:
+        with pytest.raises(EngineUnavailable, match="tensor-parallel group is closed"):
+            engine.generate("Hello", 4)
+        with pytest.raises(EngineUnavailable):
+            engine.submit("Hello again", 4)
+    finally:
+        engine.close()
+
+
 def test_a_killed_rank_0_takes_its_workers_with_it(tiny_model_dir):
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(REPO_ROOT), model=str(tiny_model_dir))],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
