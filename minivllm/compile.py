@@ -14,10 +14,11 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
-import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, below)
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
 from minivllm.kv_cache import PagedBatch
@@ -110,6 +111,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # --8<-- [end:fused]
 
 
+def distinct_sizes(fn):
+    """fn with torch's use_duck_shape off while it runs, and put back as found afterwards.
+    Two sizes that happen to be equal while tracing (a batch of 2 rows, 2 KV heads) would
+    otherwise be assumed equal forever, and the kernel rebuilt the first time they differ.
+    torch reads the setting only when it traces, and it traces only inside a call to a compiled
+    op (the first call, the warm-up, or any later recompilation), so scoping every call scopes
+    them all; other torch.compile users in the process keep torch's default. A whole forward
+    is wrapped too, so that its hundred op calls set the setting once, not once each."""
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        global _inside
+        if _inside:
+            return fn(*args, **kwargs)
+        saved, fx_config.use_duck_shape, _inside = fx_config.use_duck_shape, False, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            fx_config.use_duck_shape, _inside = saved, False
+    return scoped
+
+
+_inside = False   # within distinct_sizes already (one engine loop per process calls the model)
+
+
 # --8<-- [start:compiled]
 class Compiled:
     """fn under torch.compile, or fn itself where no compiler works here: the first failure is
@@ -118,11 +143,9 @@ class Compiled:
 
     def __init__(self, fn, enabled: bool = True):
         self.fn, self.name = fn, fn.__name__
-        # Two sizes that happen to be equal while tracing (a batch of 2 rows, 2 KV heads) would
-        # otherwise be assumed equal forever, and the kernel rebuilt the first time they differ.
-        torch.fx.experimental._config.use_duck_shape = False
         self.compiled = torch.compile(fn) if enabled else None
 
+    @distinct_sizes   # two sizes equal while tracing are not assumed equal forever (above)
     def __call__(self, *args):
         if self.compiled is not None:
             try:
@@ -182,6 +205,7 @@ class CompiledModel(LlamaModel):
         return out[:n]
 
     @torch.inference_mode()
+    @distinct_sizes
     def forward(self, batch, cache, all_logits: bool = False, timer=None, num_logits=None) -> torch.Tensor:
         c, w, ops = self.config, self.w, self.ops
         x = w["embed"][batch.token_ids]
