@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from kit import cli
+from minivllm.model import ModelConfig
+from minivllm.parallel import check_size
 from minivllm.threads import thread_count
 
 model10 = importlib.import_module("10_model")
@@ -50,20 +52,32 @@ class Shape:
     mlp: int
     vocab: int
     dtype_bytes: int
+    tied: bool          # tie_word_embeddings: the LM head is the embedding table, stored once
 
     @property
     def params(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return self.layers * (attn + 3 * self.hidden * self.mlp) + 2 * self.vocab * self.hidden
+        tables = (1 if self.tied else 2) * self.vocab * self.hidden   # embedding, and the LM head unless tied
+        return self.layers * (attn + 3 * self.hidden * self.mlp) + tables
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    def splits(self, n: int) -> bool:
+        """Whether the engine accepts N ranks for this shape: parallel.check_size decides."""
+        config = ModelConfig(self.vocab, self.hidden, self.mlp, self.layers, self.heads, self.kv_heads,
+                             self.head_dim, 1e-5, 500000.0, None, 131072, self.tied)
+        try:
+            check_size(config, n)
+        except ValueError:
+            return False
+        return True
+
 
 MODELS = (   # shapes from each model's config.json on the Hugging Face hub
-    Shape("SmolLM2-135M fp32", 30, 576, 9, 3, 64, 1536, 49152, 4),
-    Shape("Llama-3.1-8B bf16", 32, 4096, 32, 8, 128, 14336, 128256, 2),
-    Shape("Llama-3.1-70B bf16", 80, 8192, 64, 8, 128, 28672, 128256, 2),
+    Shape("SmolLM2-135M fp32", 30, 576, 9, 3, 64, 1536, 49152, 4, tied=True),
+    Shape("Llama-3.1-8B bf16", 32, 4096, 32, 8, 128, 14336, 128256, 2, tied=False),
+    Shape("Llama-3.1-70B bf16", 80, 8192, 64, 8, 128, 28672, 128256, 2, tied=False),
 )
 # NVIDIA H100 SXM5 80GB datasheet: HBM3 3.35 TB/s, bf16 dense 989 TFLOPS, NVLink 900 GB/s and
 # PCIe Gen5 128 GB/s (both directions together: half each way). Ethernet: 100GbE = 12.5 GB/s per
@@ -86,22 +100,27 @@ def step_s(m: Shape, n: int, bandwidth: float, alpha: float, batch: int = 1, con
     compute = max(read / (n * GPU["hbm"]), 2 * m.params * batch / (n * GPU["flops"]))
     comm = (2 * m.layers + 1) * allreduce_s(n, batch * m.hidden * m.dtype_bytes, bandwidth, alpha)
     comm += 0.0 if n == 1 else (n - 1) * (alpha + batch * m.vocab * 4 / n / bandwidth)   # the logits
-    return {"compute": compute, "comm": comm, "total": compute + comm, "fits": read / n <= 0.9 * GPU["memory"]}
+    return {"compute": compute, "comm": comm, "total": compute + comm, "fits": read / n <= 0.9 * GPU["memory"],
+            "splits": m.splits(n)}
 # --8<-- [end:model]
 
 
-def table(batch: int, context: int, sizes=(1, 2, 4, 8)) -> dict:
+SIZES = (1, 2, 3, 4, 8)
+
+
+def table(batch: int, context: int, sizes=SIZES) -> dict:
     print(f"[Scaling model] decode step, batch {batch}, context {context} tokens, on H100-class GPUs "
-          f"(ms per step;\n  in brackets, speed-up over the smallest N that fits 90% of an 80 GB GPU; '-' where it does not)")
-    print(f"  {'model':<20}{'link':<15}" + "".join(f"{'N=' + str(n):>16}" for n in sizes))
+          f"(ms per step;\n  in brackets, speed-up over the smallest N that fits 90% of an 80 GB GPU; '-' where it "
+          f"does not;\n  'refused' where the engine cannot split the model's heads or MLP over N ranks: check_size)")
+    print(f"  {'model':<20}{'link':<15}" + "".join(f"{'N=' + str(n):>15}" for n in sizes))
     out = {}
     for m in MODELS:
         for link, (bandwidth, alpha) in LINKS.items():
             steps = [step_s(m, n, bandwidth, alpha, batch, context) for n in sizes]
-            base = next((s["total"] for s in steps if s["fits"]), None)
-            cells = [f"{s['total'] * 1e3:.2f}" + (f" ({base / s['total']:.1f}x)" if base else "") if s["fits"] else "-"
-                     for s in steps]
-            print(f"  {m.name:<20}{link:<15}" + "".join(f"{c:>16}" for c in cells))
+            base = next((s["total"] for s in steps if s["fits"] and s["splits"]), None)
+            cells = ["refused" if not s["splits"] else "-" if not s["fits"] else
+                     f"{s['total'] * 1e3:.2f}" + (f" ({base / s['total']:.1f}x)" if base else "") for s in steps]
+            print(f"  {m.name:<20}{link:<15}" + "".join(f"{c:>15}" for c in cells))
             out[(m.name, link)] = steps
     return out
 
@@ -112,7 +131,9 @@ def pipeline_line(batch: int, context: int) -> None:
     m, (nv_bw, nv_a), (eth_bw, eth_a) = MODELS[2], LINKS["NVLink"], LINKS["Ethernet 100G"]
     stage = step_s(m, 8, nv_bw, nv_a, batch, context)
     hop = eth_a + batch * m.hidden * m.dtype_bytes / eth_bw
-    tp16 = step_s(m, 16, eth_bw, eth_a, batch, context)["total"]
+    tp16 = step_s(m, 16, eth_bw, eth_a, batch, context)
+    assert tp16["splits"], "TP 16: 64 heads split, 8 KV heads copied to 2 ranks each (check_size)"
+    tp16 = tp16["total"]
     # a token passes the two stages in turn: each reads half the model on 8 GPUs and does half the
     # layers' all-reduces over NVLink; between them, one hop over Ethernet
     pp = 2 * step_s(m, 16, nv_bw, nv_a, batch, context)["compute"] + stage["comm"] + hop
@@ -182,20 +203,27 @@ def measure_decode_ms(folder, steps: int = 24) -> float:
 # --8<-- [end:measure]
 
 
-def cpu_prediction(decode_ms: float, times: dict[int, float]) -> None:
+def cpu_prediction(decode_ms: float, times: dict[int, float], n: int = 3) -> None:
+    """The paper model for N ranks of this model on this CPU: this machine's measured parts, each
+    rank assumed to have a core of its own. N=3, the size the engine runs (2 does not divide 9 heads)."""
     m = MODELS[0]
-    alpha = times[2304]
+    assert m.splits(n), f"the engine refuses {m.name} on {n} ranks"
     bandwidth = ((1 << 20) - (1 << 16)) / max(times[1 << 20] - times[1 << 16], 1e-9)   # latency cancels
+    hidden = m.hidden * m.dtype_bytes
+    alpha = max(times[hidden] / 2 - hidden / 2 / bandwidth, 0.0)   # a 2-rank ring is 2 hops: one hop's latency
     print(f"\n[This CPU, measured: {thread_count()}]  batch-1 decode step {decode_ms:.1f} ms; "
-          f"gloo all-reduce between 2 processes: {alpha * 1e6:.0f} us for {2304:,} bytes (one token's hidden state), "
+          f"gloo all-reduce between 2 processes: {times[hidden] * 1e6:.0f} us for {hidden:,} bytes (one token's hidden state), "
           f"{times[1 << 16] * 1e6:.0f} us for 64 KiB, {times[1 << 20] * 1e3:.2f} ms for 1 MiB (~{bandwidth / 1e9:.1f} GB/s)")
-    comm = (2 * m.layers + 1) * alpha + times[1 << 16] * 3       # + the logits' all-gather (~196 KB) and the step
-    print(f"  N=2 on the same 2 cores: compute stays {decode_ms:.1f} ms (no core is added, each rank gets half), "
-          f"communication {(2 * m.layers + 1)} x {alpha * 1e6:.0f} us + logits ~ {comm * 1e3:.1f} ms "
-          f"-> predicted {decode_ms + comm * 1e3:.1f} ms per step ({(decode_ms + comm * 1e3) / decode_ms:.2f}x N=1)")
+    one = allreduce_s(n, hidden, bandwidth, alpha)                 # the ring of N ranks, 2(N-1) hops
+    logits = (n - 1) * (alpha + m.vocab * 4 / n / bandwidth)        # the all-gather, as in step_s
+    comm = (2 * m.layers + 1) * one + logits
+    print(f"  N={n} ranks, on paper: compute stays {decode_ms:.1f} ms (the same 2 cores, no core added), "
+          f"communication {2 * m.layers + 1} all-reduces x {one * 1e6:.0f} us ({2 * (n - 1)} hops of {alpha * 1e6:.0f} us) "
+          f"+ logits {logits * 1e3:.1f} ms = {comm * 1e3:.1f} ms -> predicted {decode_ms + comm * 1e3:.1f} ms per step "
+          f"({(decode_ms + comm * 1e3) / decode_ms:.2f}x N=1)")
 
 
-def plot(path: str, results: dict, sizes=(1, 2, 4, 8)) -> None:
+def plot(path: str, results: dict, sizes=SIZES) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -204,7 +232,7 @@ def plot(path: str, results: dict, sizes=(1, 2, 4, 8)) -> None:
     styles = {"NVLink": "-", "PCIe 5": "--", "Ethernet 100G": ":"}
     colours = {m.name: c for m, c in zip(MODELS, ("tab:green", "tab:blue", "tab:red"))}
     for (name, link), steps in results.items():
-        points = [(n, s["total"] * 1e3) for n, s in zip(sizes, steps) if s["fits"]]
+        points = [(n, s["total"] * 1e3) for n, s in zip(sizes, steps) if s["fits"] and s["splits"]]
         if points:
             ax.plot(*zip(*points), styles[link], marker="o", color=colours[name], label=f"{name}, {link}")
     ax.set_xscale("log", base=2)
