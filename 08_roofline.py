@@ -236,6 +236,13 @@ def plot_roofline(roof: Roofline, points: list[tuple[str, StepCost, float]], pat
     print(f"\n[plot] {path}")
 
 
+def device_label(device: torch.device) -> str:
+    """The name of the device the measurements ran on: the CPU's model, or the GPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return threads.cpu_name() if device.type == "cpu" else str(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 4: the roofline of this machine, and where decode sits on it.")
     cli.add_model_flags(parser, threads=True)
@@ -253,7 +260,7 @@ def main() -> None:
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    print(f"[machine] {threads.cpu_name() if device.type == 'cpu' else device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"[machine] {device_label(device)}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     # --8<-- [start:measure]
     n, mib = args.gemm_size, args.memory >> 20
     bandwidth = measure_bandwidth(device, args.memory, args.repeats, label=f"memory read, {mib} MiB")
@@ -318,7 +325,7 @@ def main() -> None:
         print(f"  {label:<32}{seconds * 1e3:>8.1f}{roof.floor_seconds(cost) * 1e3:>10.1f}{cost.intensity:>11.2f}"
               f"{cost.flops / seconds / 1e9:>9.1f}{cost.flops / seconds / roof.attainable(cost.intensity):>11.0%}")
     if args.plot:
-        plot_roofline(roof, points, args.plot, f"{name}, float32, on {threads.cpu_name()}",
+        plot_roofline(roof, points, args.plot, f"{name}, float32, on {device_label(device)}",
                       {"bf16 matmul roof": bf16})
 
 

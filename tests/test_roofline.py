@@ -112,3 +112,11 @@ def test_measurements_in_a_log_are_plain_lines_without_carriage_returns(capsys):
     roofline.best_time(lambda: None, torch.device("cpu"), 3, label="bandwidth")
     err = capsys.readouterr().err   # captured: not a terminal, as in `python 08_roofline.py > log 2>&1`
     assert "\r" not in err and err.startswith("[measure] bandwidth: best of 3 tries") and err.count("\n") == 1
+
+
+def test_the_plot_names_the_device_measured(monkeypatch):
+    """A run on CUDA is labelled with the GPU's name, not the host CPU's."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(roofline.threads, "cpu_name", lambda: "AMD EPYC (test)")
+    assert roofline.device_label(torch.device("cuda")) == "NVIDIA H100 80GB HBM3"
+    assert roofline.device_label(torch.device("cpu")) == "AMD EPYC (test)"
