@@ -33,6 +33,7 @@ import torch
 
 from kit import cli
 from minivllm.contracts import SamplingParams
+from minivllm.output import pack_bits
 from minivllm.structured import (GrammarConstraint, StructuredOutput, compile_spec, compiler_for,  # noqa: F401
                                  make_constraint)
 from minivllm.text import render_chat
@@ -63,11 +64,18 @@ class ChoiceByHand:
         return bool(piece) and "\ufffd" not in piece and \
             any(c.startswith(self.text + piece) for c in self.choices)   # still a valid prefix
 
+    def keep(self, vocab: int) -> torch.Tensor:
+        """Which tokens may come next: a scan of the whole vocabulary."""
+        return torch.tensor([self.allowed(t) for t in range(vocab)]) if not self.finished else \
+            torch.zeros(vocab, dtype=torch.bool)
+
     def mask(self, logits: torch.Tensor) -> None:
-        """-inf for every token that would leave the language: a scan of the whole vocabulary."""
-        keep = torch.tensor([self.allowed(t) for t in range(logits.shape[-1])]) if not self.finished else \
-            torch.zeros(logits.shape[-1], dtype=torch.bool)
-        logits.masked_fill_(~keep, float("-inf"))
+        """-inf for every token that would leave the language."""
+        logits.masked_fill_(~self.keep(logits.shape[-1]), float("-inf"))
+
+    def fill_bitmask(self, words: torch.Tensor, row: int) -> None:
+        """The same answer as 1 bit a token, in its row of the step's bitmask (what the engines read)."""
+        words[row] = pack_bits(self.keep(len(self.texts)))[: words.shape[1]]
 
     def accept(self, token: int) -> bool:
         if not self.allowed(token):

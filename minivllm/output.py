@@ -94,14 +94,35 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 # --8<-- [start:constrain]
 def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Chapter 11: in each constrained row, -inf for the tokens its grammar forbids next.
-    The other rows are left exactly as they were."""
+    The other rows are left exactly as they were. Each grammar writes its row of a bitmask on
+    the CPU (1 bit a token); the bitmask goes to the logits' device in one copy for the whole
+    step, and is unpacked and applied there."""
     rows = [i for i, r in enumerate(requests) if r.constraint is not None and r.finish_reason is None]
     if not rows:
         return logits
+    vocab = logits.shape[-1]
+    words = torch.empty(len(rows), -(-vocab // 32), dtype=torch.int32)
+    for j, i in enumerate(rows):
+        requests[i].constraint.fill_bitmask(words, j)
+    keep = unpack_bits(words.to(logits.device), vocab)
+    index = torch.tensor(rows, device=logits.device)
     logits = logits.clone()   # never in place: the raw logits still give log-probabilities
-    for i in rows:
-        requests[i].constraint.mask(logits[i])
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     return logits
+
+
+def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, vocab] bools, on the words' device: bit j of word w is token 32w + j."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)[:, :vocab]
+
+
+def pack_bits(keep: torch.Tensor) -> torch.Tensor:
+    """[vocab] bools -> the int32 words unpack_bits reads (for a constraint that decides token by token)."""
+    bits = torch.zeros(-(-len(keep) // 32) * 32, dtype=torch.int64)
+    bits[:len(keep)] = keep.to(torch.int64)
+    words = (bits.view(-1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 # --8<-- [end:constrain]
 
 

@@ -18,6 +18,8 @@ import re
 import torch
 from transformers import LogitsProcessor
 
+from minivllm.output import unpack_bits
+
 # --8<-- [start:grammar]
 def parse_grammar(spec: tuple):
     """SamplingParams.structured as an xgrammar Grammar: parsed, not yet tied to a tokenizer."""
@@ -153,15 +155,13 @@ def compile_spec(tokenizer, vocab_size: int, stop_ids: tuple[int, ...], spec: tu
 
 
 # --8<-- [start:constraint]
-BITS = torch.arange(32, dtype=torch.int32)
-
-
 class GrammarConstraint:
     """One request's place in its grammar: which tokens may come next, and what came so far.
 
-    The interface the engines use (07_decode_loop.py): `mask` a row of logits before sampling,
-    `accept` the sampled token, `finished` once the grammar ended (its EOS accepted).
-    Speculative decoding adds `allowed` (may a draft token come next?) and `rollback`.
+    The interface the engines use (07_decode_loop.py): `fill_bitmask` writes this request's row
+    of the step's bitmask before sampling, `accept` the sampled token, `finished` once the
+    grammar ended (its EOS accepted). Speculative decoding adds `allowed` (may a draft token
+    come next?) and `rollback`; `mask` masks one row alone (HF's generate, the demo's timing).
     """
 
     def __init__(self, compiled, vocab_size: int):
@@ -171,14 +171,20 @@ class GrammarConstraint:
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # 1 bit a token, in int32 words
 
+    def fill_bitmask(self, words: torch.Tensor, row: int) -> None:
+        """Row `row` of a CPU int32 bitmask: bit j of word w says whether token 32*w + j may come next."""
+        self.matcher.fill_next_token_bitmask(words, row)
+
     def allowed_mask(self) -> torch.Tensor:
-        """[vocab] bools: bit j of word w says whether token 32*w + j may come next."""
-        self.matcher.fill_next_token_bitmask(self.bitmask, 0)
-        return ((self.bitmask[0].unsqueeze(-1) >> BITS) & 1).bool().view(-1)[: self.vocab_size]
+        """[vocab] bools, on the CPU."""
+        self.fill_bitmask(self.bitmask, 0)
+        return unpack_bits(self.bitmask, self.vocab_size)[0]
 
     def mask(self, logits: torch.Tensor) -> None:
         """In place, on one row: -inf for every token the grammar forbids next."""
-        logits.masked_fill_(~self.allowed_mask().to(logits.device), float("-inf"))
+        self.fill_bitmask(self.bitmask, 0)
+        keep = unpack_bits(self.bitmask.to(logits.device), logits.shape[-1])[0]
+        logits.masked_fill_(~keep, float("-inf"))
 
     def allowed(self, token: int) -> bool:
         return bool(self.allowed_mask()[token])

@@ -202,6 +202,44 @@ def test_sample_masks_constrained_rows_only(contracts, so, tiny_model_engine):
     assert token in allowed
 
 
+def test_one_bitmask_a_step_for_every_constrained_row(contracts, so, tiny_model_engine):
+    """constrain() hands every constrained row's grammar the same CPU bitmask, one row each, and
+    masks the logits from it in one go: the same -inf as each constraint's own mask, bit for bit,
+    for xgrammar and for the by-hand scan alike."""
+    import torch
+
+    loop, out, P = load_script("07_decode_loop"), tiny_model_engine.output, contracts.SamplingParams
+    requests = [out.new_request([1, 2], P(structured={"choice": ["yes", "no"]}), 8), out.new_request([1, 2, 3], P(), 8),
+                out.new_request([4], P(structured={"regex": "[0-9]+"}), 8), out.new_request([5], P(), 8)]
+    by_hand = so.ChoiceByHand(["alpha", "beta"], so.token_texts(out.tokenizer), out.eos_token_ids)
+    requests[3].constraint = by_hand
+    seen = []
+    for r in requests:
+        if r.constraint is not None:
+            fill = r.constraint.fill_bitmask
+            r.constraint.fill_bitmask = lambda words, row, fill=fill: seen.append((words, row)) or fill(words, row)
+    logits = torch.randn(4, out.vocab_size)
+    masked = loop.constrain(logits, requests)
+    assert [row for _, row in seen] == [0, 1, 2] and all(words is seen[0][0] for words, _ in seen)
+    assert seen[0][0].device.type == "cpu" and seen[0][0].shape == (3, -(-out.vocab_size // 32))
+    assert torch.equal(masked[1], logits[1])
+    for i in (0, 2, 3):
+        alone = logits[i].clone()
+        requests[i].constraint.mask(alone)
+        assert torch.equal(masked[i], alone)
+
+
+def test_bits_pack_and_unpack():
+    import torch
+    from minivllm.output import pack_bits, unpack_bits
+
+    keep = torch.rand(100) < 0.5
+    keep[31] = keep[63] = True        # the sign bit of a word
+    words = pack_bits(keep)
+    assert words.dtype == torch.int32 and words.shape == (4,)
+    assert torch.equal(unpack_bits(words.view(1, -1), 100)[0], keep)
+
+
 def test_static_batch_constrains_every_row(contracts, tiny_model_dir):
     engine = load_script("09_static_batching").StaticBatchEngine(str(tiny_model_dir), device="cpu", structured_output=StructuredOutput())
     P = contracts.SamplingParams
