@@ -28,7 +28,7 @@ import time
 import torch
 
 from kit import cli, workloads
-from minivllm import threads
+from minivllm import compile as compile_, threads
 
 engine04 = importlib.import_module("04_engine")
 cb = importlib.import_module("13_continuous_batching_engine")
@@ -85,12 +85,16 @@ def show_trace(engine, prompt: str, tokenizer, new_tokens: int) -> None:
 
 
 # --8<-- [start:cost]
-def verification_cost(engine, sizes=(1, 2, 3, 5, 9), context: int = 400, rounds: int = 7) -> dict[int, float]:
+def verification_cost(engine, sizes=(1, 2, 3, 5, 9), context: int = 400, rounds: int = 7,
+                      weights: dict | None = None) -> dict[int, float]:
     """Milliseconds of one forward of the model feeding n tokens of one sequence after `context`
-    cached ones (median of rounds): what checking n - 1 guesses costs against a plain decode step."""
+    cached ones (median of rounds): what checking n - 1 guesses costs against a plain decode step.
+    weights: the same model's weights in another layout (Chapter 13's packed ones), for this timing only."""
     ids = list(range(1000, 1000 + context + max(sizes)))
     blocks, seq = engine.blocks, -1                      # a sequence of our own, given back after
     blocks.allocate(seq, len(ids))
+    own = engine.runner.model.w
+    engine.runner.model.w = own if weights is None else weights
     try:
         runner, table = engine.runner, blocks.tables[seq]
         batch = lambda start, n: engine.pool.batch([ids[start:start + n]], [table], [start], engine.device)  # noqa: E731
@@ -105,6 +109,7 @@ def verification_cost(engine, sizes=(1, 2, 3, 5, 9), context: int = 400, rounds:
             out[n] = sorted(times)[rounds // 2] * 1e3
         return out
     finally:
+        engine.runner.model.w = own
         blocks.free(seq)
 # --8<-- [end:cost]
 
@@ -210,9 +215,13 @@ def main() -> None:
             print(f"\n[One request, {title}, k={engines[method].speculator.k}: {chat[0]['content'][:50]!r}...]")
             show_trace(engines[method], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
         cost = verification_cost(plain)
+        model = plain.runner.model
+        packed = verification_cost(plain, weights=compile_.packed_weights(model)) if compile_.can_pack(model.device) else None
         print(f"\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached; {cpu}]")
+        print(f"  {'':<39}{'float32 weights as loaded':<30}" + ("weights packed by oneDNN (Chapter 13)" if packed else ""))
         for n, ms in cost.items():
-            print(f"  feed {n} token(s) ({n - 1} guesses checked): {ms:6.1f} ms = {ms / cost[1]:4.2f} decode steps")
+            line = f"  feed {n} token(s) ({n - 1} guesses checked): {ms:6.1f} ms = {ms / cost[1]:4.2f} decode steps"
+            print(line + (f"{packed[n]:12.1f} ms = {packed[n] / packed[1]:4.2f} decode steps" if packed else ""))
     if args.part in ("all", "sweep"):
         results = table(plain, engines, args, cpu)
         if args.concurrent:

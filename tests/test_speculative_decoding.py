@@ -457,3 +457,14 @@ def test_a_request_whose_guesses_never_match_rests_and_one_whose_guesses_match_d
     right_one, wrong_one = got
     assert right_one.metrics.accepted_tokens == right_one.metrics.draft_tokens >= 30
     assert (wrong_one.metrics.draft_tokens, wrong_one.metrics.accepted_tokens) == (7, 0)
+
+
+def test_the_demos_verification_cost_times_other_weights_and_puts_the_model_back(plain):
+    """Chapter 13's packed weights swapped in for the timing only: the model keeps its own after."""
+    demo = load_script("14_speculative_decoding_demo")
+    compile_ = load_script("17_compile")
+    model = plain.runner.model
+    own, free = model.w, plain.blocks.num_free
+    cost = demo.verification_cost(plain, sizes=(1, 3), context=8, rounds=1, weights=compile_.packed_weights(model))
+    assert set(cost) == {1, 3} and all(ms > 0 for ms in cost.values())
+    assert model.w is own and plain.blocks.num_free == free
