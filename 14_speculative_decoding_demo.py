@@ -28,7 +28,7 @@ import time
 import torch
 
 from kit import cli, workloads
-from minivllm import compile as compile_, threads
+from minivllm import threads
 
 engine04 = importlib.import_module("04_engine")
 cb = importlib.import_module("13_continuous_batching_engine")
@@ -82,6 +82,14 @@ def show_trace(engine, prompt: str, tokenizer, new_tokens: int) -> None:
     print(f"  {m.output_tokens} tokens in {len(tracer.steps)} forwards of the model; "
           f"{m.accepted_tokens or 0} of {m.draft_tokens or 0} guesses kept")
 # --8<-- [end:trace]
+
+
+def print_costs(columns: dict[str, dict[int, float]]) -> None:
+    """One line per number of tokens fed: each column's milliseconds, and in decode steps."""
+    print((f"  {'':<39}" + "".join(f"{name:<34}" for name in columns)).rstrip())
+    for n in next(iter(columns.values())):
+        print((f"  feed {n} token(s) ({n - 1} guesses checked):" + "".join(
+            f"{cost[n]:8.1f} ms = {cost[n] / cost[1]:4.2f} decode steps   " for cost in columns.values())).rstrip())
 
 
 # --8<-- [start:cost]
@@ -214,14 +222,8 @@ def main() -> None:
         for method, title in (("ngram", "prompt lookup"), ("draft", "the int4 self-draft")):
             print(f"\n[One request, {title}, k={engines[method].speculator.k}: {chat[0]['content'][:50]!r}...]")
             show_trace(engines[method], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
-        cost = verification_cost(plain)
-        model = plain.runner.model
-        packed = verification_cost(plain, weights=compile_.packed_weights(model)) if compile_.can_pack(model.device) else None
         print(f"\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached; {cpu}]")
-        print(f"  {'':<39}{'float32 weights as loaded':<30}" + ("weights packed by oneDNN (Chapter 13)" if packed else ""))
-        for n, ms in cost.items():
-            line = f"  feed {n} token(s) ({n - 1} guesses checked): {ms:6.1f} ms = {ms / cost[1]:4.2f} decode steps"
-            print(line + (f"{packed[n]:12.1f} ms = {packed[n] / packed[1]:4.2f} decode steps" if packed else ""))
+        print_costs({"float32 weights as loaded": verification_cost(plain)})
     if args.part in ("all", "sweep"):
         results = table(plain, engines, args, cpu)
         if args.concurrent:

@@ -138,8 +138,9 @@ def main() -> None:
     parser.add_argument("--context", type=cli.integer(1, 2000), default=256, help="tokens each row has cached")
     parser.add_argument("--rounds", type=cli.integer(1, 50), default=5, help="timed repeats (best kept)")
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="draw the table as stacked bars")
-    parser.add_argument("--part", choices=("steps", "apart", "all"), default="all",
-                        help="steps: whole steps, eager vs compiled; apart: a decode step per format, in parts")
+    parser.add_argument("--part", choices=("steps", "apart", "all", "verification"), default="all",
+                        help="steps: whole steps, eager vs compiled; apart: a decode step per format, in parts; "
+                             "verification: Chapter 10's verification cost on packed weights (not in all)")
     parser.add_argument("--thread-counts", nargs="+", type=cli.integer(1, 256), metavar="N",
                         help="steps: time each at these thread counts too (default: the current one)")
     args = parser.parse_args()
@@ -149,6 +150,23 @@ def main() -> None:
         steps(folder, args.context, args.rounds, args.thread_counts or [torch.get_num_threads()])
     if args.part in ("apart", "all"):
         apart(folder, args)
+    if args.part == "verification":
+        verification(folder)
+
+
+def verification(folder) -> None:
+    """Chapter 10's verification, timed again: feeding 1 to 9 tokens of one sequence, on the
+    weights as loaded and on the same weights packed, as the compiled model holds them."""
+    spec_demo = importlib.import_module("14_speculative_decoding_demo")
+    cb = importlib.import_module("13_continuous_batching_engine")
+    plain = cb.ContinuousBatchingEngine(str(folder), device="cpu")
+    try:
+        print("\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached]")
+        spec_demo.print_costs({"float32 weights as loaded": spec_demo.verification_cost(plain),
+                               "packed by oneDNN": spec_demo.verification_cost(
+                                   plain, weights=compile17.packed_weights(plain.runner.model))})
+    finally:
+        plain.close()
 
 
 def apart(folder, args) -> None:
