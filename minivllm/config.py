@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 # --8<-- [start:options]
-QUANT_FORMATS = ("bf16", "int8", "int4")                        # Chapter 12
+QUANT_FORMATS = ("bf16", "int8", "w8a8", "int4")                        # Chapter 12
 GROUP_SIZES = (32, 64, 128, 256)                                # int4: what torch's kernels accept
 QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft")                        # Chapter 10
@@ -36,7 +36,7 @@ class EngineConfig:
     speculative: str | None = None              # "ngram" or "draft" (Chapter 10)
     num_speculative_tokens: int = 4
     draft_model: str | None = None              # default: this model on int4 weights
-    quant: str | None = None                    # None (the model's own), "bf16", "int8", "int4" (Chapter 12)
+    quant: str | None = None                    # None (the model's own), "bf16", "int8", "w8a8", "int4" (Chapter 12)
     group_size: int = 32
     quant_head: str = "auto"
     compile: bool = False                       # packed weights, fused ops (Chapter 13)

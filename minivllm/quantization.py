@@ -15,7 +15,7 @@ import torch
 from minivllm.model import LlamaModel
 from minivllm.weights import map_weights
 
-MODES = ("none", "bf16", "fp16", "int8", "int4")
+MODES = ("none", "bf16", "fp16", "int8", "w8a8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)       # what torch's int4 kernels accept
 LINEAR_LAYERS = ("qkv", "o", "gate_up", "down")
 HEAD_FORMATS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
@@ -120,6 +120,45 @@ class Int8Weight(QuantizedWeight):
 # --8<-- [end:int8-weight]
 
 
+# --8<-- [start:w8a8]
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations to int8 as they arrive, one scale per row (per token): x ~ xq * xs."""
+    x = x.float()
+    xs = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(x / xs).clamp(-127, 127).to(torch.int8), xs
+
+
+def int8_mm(xq: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+    """int8 x int8 -> int32, summed exactly: on a CPU with VNNI, four products per lane per instruction."""
+    rows = xq.shape[0]
+    if xq.is_cuda and rows <= 16:   # CUDA's int8 GEMM takes more than 16 rows: pad, then cut
+        xq = torch.cat([xq, xq.new_zeros(17 - rows, xq.shape[1])])
+    return torch._int_mm(xq, q_t)[:rows]
+
+
+class W8A8Weight(Int8Weight):
+    """int8 weights *and* int8 activations (W8A8, as vLLM calls it). Chapter 12's int8 kernel
+    does float arithmetic for every row it multiplies, so a batch of 32 costs about 32 times a
+    row; here the activations are quantised too, per token, and the products are integer dot
+    products, which the CPU does several to an instruction. The price: each token's activations
+    lose precision as well, which costs more than the weights' rounding (the model-wide table
+    measures it)."""
+
+    def __init__(self, w: torch.Tensor, path: str = "fast"):
+        super().__init__(w, path)
+        self.q_t = self.q.T.contiguous()    # [in, out]: the layout torch._int_mm reads fastest
+        self.q = self.q_t.T                 # rows for a lookup, as a view: one copy of the codes
+
+    def tensors(self): return [self.q_t, self.scale]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_rows_int8(x)
+        if self.path == "reference":        # the same rounding, then float arithmetic in plain sight
+            return ((xq.float() * xs) @ self.dequantize().T).to(x.dtype)
+        return (int8_mm(xq, self.q_t) * xs * self.scale).to(x.dtype)
+# --8<-- [end:w8a8]
+
+
 # --8<-- [start:int4-pack]
 def inner_k_tiles(k: int) -> int:
     """How many 16-input k-tiles CUDA's int4 packer lays side by side: 8, 4 or 2, and they must
@@ -185,13 +224,15 @@ def head_format(quant: str, head: str) -> str:
     if quant == "none":
         return "f32"
     if head == "auto":
-        return "int8" if quant == "int4" else quant
+        return "int8" if quant in ("int4", "w8a8") else quant   # the head's errors land on the logits
     return head
 
 
 def quantize_weight(w: torch.Tensor, quant: str, group_size: int, path: str):
     if quant == "int8":
         return Int8Weight(w, path)
+    if quant == "w8a8":
+        return W8A8Weight(w, path)
     if quant == "int4":
         return Int4Weight(w, group_size, path)
     return HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[quant], path)

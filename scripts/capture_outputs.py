@@ -216,6 +216,7 @@ CAPTURES = [
         " --runs 1 --engine 17_compile:CompiledEngine --peer vllm --max-num-batched-tokens 2048",
     ], timeout_s=3600, peer=True),
     Capture("17_compile_kernel", ["python 17_compile.py --show-kernel"], timeout_s=600),
+    Capture("17_verification_packed", ["python 17_compile_demo.py --threads 1 --part verification"], timeout_s=600),
     Capture("17_compile_demo", ["python 17_compile_demo.py --threads 1 --thread-counts 1 2 "
                                 "--plot book/assets/ch13-step.png"],
             timeout_s=3600),
@@ -235,6 +236,10 @@ CAPTURES = [
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
         " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm",
     ], timeout_s=3600, peer=True),
+    # int8 activations too (W8A8) beside weight-only int8: quality and speed, one sitting
+    Capture("16_quantization_w8a8", [
+        "python 16_quantization_demo.py --threads 1 --modes none int8 w8a8 --rounds 1 --no-hf",
+    ], timeout_s=3600),
     # llama.cpp beside our int4 engine: llama-cpp-python is optional (see 16_llama_cpp.py for the file)
     Capture("16_llama_cpp_anchor", [
         "python 16_quantization_demo.py --modes none int4-g32 int4-g32-int4head --rounds 5 --no-hf "

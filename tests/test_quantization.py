@@ -53,6 +53,8 @@ def make(kind: str, w: torch.Tensor, path: str):
         return quant16.HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[kind], path)
     if kind == "int8":
         return quant16.Int8Weight(w, path)
+    if kind == "w8a8":
+        return quant16.W8A8Weight(w, path)
     return quant16.Int4Weight(w, int(kind.removeprefix("int4-g")), path)
 
 
@@ -70,6 +72,24 @@ def test_fast_path_equals_reference_path(kind, tokens):
     got = fast.matmul(x)
     assert got.dtype == x.dtype and got.shape == (tokens, w.shape[0])
     assert float(((got.double() - exact).abs() / scale).max()) < 2 ** -7
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 17, 32])
+def test_w8a8_fast_path_is_the_reference_rounding_summed_exactly(tokens):
+    """Both paths round each row of x to int8 with its own scale; the fast one sums the integer
+    products exactly in int32, so the two differ only by float32 rounding of the scales. Each row's
+    result depends on that row alone: the same whatever else is in the batch."""
+    w = random_weight()
+    x = torch.randn(tokens, w.shape[1], generator=torch.Generator().manual_seed(1)) * 3
+    fast, reference = make("w8a8", w, "fast"), make("w8a8", w, "reference")
+    scale = x.abs().double() @ reference.dequantize().abs().double().T
+    got = fast.matmul(x)
+    assert got.dtype == x.dtype and got.shape == (tokens, w.shape[0])
+    assert float(((got.double() - reference.matmul(x).double()).abs() / scale).max()) < 1e-5
+    assert torch.equal(torch.cat([fast.matmul(x[i:i + 1]) for i in range(tokens)]), got)   # batch-invariant
+    exact = x.double() @ reference.dequantize().double().T   # the activations' rounding: half a step per element
+    assert float(((got.double() - exact).abs() / scale).max()) < x.abs().max() / x.abs().mean() / 254
+    assert fast.nbytes == w.numel() + w.shape[0] * 4 and fast.q_t.is_contiguous()   # one copy of the codes
 
 
 def test_fast_int4_is_smaller_than_reference_and_int8():
@@ -192,7 +212,7 @@ def quantized_reference(tiny_model_dir):
     """Chapter 12's own engine per format (Chapter 6's loop on quantised weights): greedy answers,
     alone and as one batch, each computed once."""
     engines = {quant: engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant=quant, group_size=32,
-                                               quant_head="auto") for quant in ("int8", "int4")}
+                                               quant_head="auto") for quant in ("int8", "w8a8", "int4")}
     memo = {}
 
     def answers(quant: str, prompts: tuple[str, ...], batched: bool):
@@ -211,7 +231,7 @@ def same_answers(got, want) -> None:
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "w8a8", "int4"])
 def test_continuous_batching_on_quantised_weights_equals_the_quantised_engine(
         quant, prefix_caching, tiny_model_dir, quantized_reference, reference_prompts):
     """Chapter 9's engine with quant= (and prefix caching, chunked prefills) gives token for token what
@@ -298,7 +318,7 @@ def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
     with pytest.raises(ValueError, match="unknown head format 'yes'"):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8")
     # Every engine from Chapter 6 on takes the same keywords, checked the same way.
-    with pytest.raises(ValueError, match="quant must be one of bf16, int8, int4"):
+    with pytest.raises(ValueError, match="quant must be one of bf16, int8, w8a8, int4"):
         cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int3")
     with pytest.raises(ValueError, match="group_size must be one of"):
         cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int4",
