@@ -118,6 +118,17 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1], as an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def byte_size(text: str) -> int:
     """parse_bytes as an argparse type."""
     try:
@@ -151,7 +162,11 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="share the KV blocks of prompt prefixes seen before (Chapter 8), among all clients "
                         "unless their requests carry different cache_salt")
     g.add_argument("--kv-memory", type=byte_size, default=None,
-                   help="KV pool size, e.g. 512MB; MB means MiB, 2**20 bytes (Chapter 7)")
+                   help="KV pool size, e.g. 512MB; MB means MiB, 2**20 bytes (Chapter 7); default 512MB, "
+                        "on one GPU what --gpu-memory-utilization leaves after the weights (Chapter 15)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=None,
+                   help="the fraction of the GPU's memory the engine may use, weights, KV pool and a step's "
+                        "activations together, when --kv-memory is not given (Chapter 15; default 0.9)")
     g.add_argument("--block-size", type=integer(1, MAX_BLOCK_SIZE), default=None, help="tokens per KV block (Chapter 7)")
     g.add_argument("--max-num-seqs", type=integer(1, MAX_SEQS), default=None,
                    help="sequences in one step, at most (Chapter 9)")

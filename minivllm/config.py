@@ -28,7 +28,8 @@ class EngineConfig:
     """The assembled engine's options, checked at construction: a bad one is a ValueError before
     any weights load, with the option's name and its bounds."""
 
-    kv_memory: int = DEFAULT_KV_MEMORY          # bytes of KV pool (Chapter 7)
+    kv_memory: int | None = None                # bytes of KV pool (Chapter 7); None: DEFAULT_KV_MEMORY,
+                                                # on one GPU what gpu_memory_utilization leaves (Chapter 15)
     block_size: int = DEFAULT_BLOCK_SIZE        # tokens per block (Chapter 7)
     prefix_caching: bool = False                # share the blocks of prompt prefixes seen before (Chapter 8)
     max_num_seqs: int = 32                      # sequences in one step, at most (Chapter 9)
@@ -43,6 +44,7 @@ class EngineConfig:
     tensor_parallel_size: int | None = None     # N processes (Chapter 14); None: one process, no group
     enforce_eager: bool | None = None           # True: no CUDA graphs; False: graphs (on the CPU, their
                                                 # padded path, run eagerly); None: graphs on CUDA (Chapter 15)
+    gpu_memory_utilization: float = 0.9         # the fraction of a GPU the engine may use (Chapter 15)
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int | None = None) -> None:
@@ -58,7 +60,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(map(str, options))}"
                                  f"{' (or None)' if none else ''}, got {value!r}")
 
-        integer("kv_memory", 1)
+        if self.kv_memory is not None:
+            integer("kv_memory", 1)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         integer("block_size", 1, MAX_BLOCK_SIZE)
         integer("max_num_seqs", 1, MAX_SEQS)
         integer("max_num_batched_tokens", 1, MAX_SEQS)

@@ -31,6 +31,7 @@ from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, EngineConfig
 from minivllm.contracts import GenerateResult, SamplingParams
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
+from minivllm.gpu_memory import kv_memory_left, step_headroom
 from minivllm.kv_cache import KVPool, blocks_in, describe
 from minivllm.model import ModelConfig
 from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device,
@@ -76,20 +77,25 @@ class LLM(LLMEngine):
 
     # --8<-- [start:init]
     def __init__(self, model: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
-                 kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = DEFAULT_BLOCK_SIZE,
+                 kv_memory: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefix_caching: bool = False,
                  quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
                  tensor_parallel_size: int | None = None, compile: bool = False, structured_output=None,
-                 enforce_eager: bool | None = None):
+                 enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.9):
         config = EngineConfig(kv_memory, block_size, prefix_caching, max_num_seqs, max_num_batched_tokens,
                               speculative, num_speculative_tokens, draft_model, quant, group_size, quant_head,
-                              compile, tensor_parallel_size, enforce_eager)  # every option checked: nothing loaded yet
+                              compile, tensor_parallel_size, enforce_eager,
+                              gpu_memory_utilization)  # every option checked: nothing loaded yet
         speculation = SpeculativeDecoding(speculative, num_speculative_tokens, draft_model) if speculative else None
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         folder = model_folder(model)
         full = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
+        # Chapter 15: on one GPU the pool takes what the weights leave, sized once they are in (with
+        # several ranks, or a draft model's weights and pool still to come, the fixed default).
+        sized_later = kv_memory is None and device.type == "cuda" and not tensor_parallel_size and not speculative
+        kv_memory = kv_memory or DEFAULT_KV_MEMORY
         num_blocks = blocks_in(full, kv_memory, block_size, dtype)   # a pool without one block: refused unloaded
         parallel = TensorParallel(tensor_parallel_size, folder, device) if tensor_parallel_size is not None else None
         self.config, self.folder = config, folder
@@ -100,6 +106,10 @@ class LLM(LLMEngine):
             runner = parallel.start(folder, dtype, device, num_blocks, block_size, steps)
         else:
             weights = load_model(folder, dtype, device, steps)
+            if sized_later:
+                kv_memory = kv_memory_left(device, gpu_memory_utilization, step_headroom(
+                    full, max_num_batched_tokens, max_num_seqs, dtype))
+                num_blocks = blocks_in(full, kv_memory, block_size, dtype)
             pool = KVPool(weights.config, num_blocks, block_size, weights.dtype, weights.device)
             graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
             runner = graphs.runner(weights, pool) if graphs else ModelRunner(weights, pool)

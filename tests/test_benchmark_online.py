@@ -280,7 +280,8 @@ def test_the_flags_read_back_as_the_same_options():
                                                   "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
                                                   "--speculative", "draft", "--num-speculative-tokens", "6",
                                                   "--draft-model", "some/folder", "--tensor-parallel-size", "2",
-                                                  "--compile", "--enforce-eager", "--dtype", "bfloat16"]))
+                                                  "--compile", "--enforce-eager", "--dtype", "bfloat16",
+                                                  "--gpu-memory-utilization", "0.8"]))
     assert set(given) == set(cli.ENGINE_OPTIONS)
     flags = launcher.server_command(1, engine_options=given)[6:]
     assert cli.engine_options(parser.parse_args(flags)) == given
