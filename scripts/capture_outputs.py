@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import platform
 import re
 import shlex
 import signal
@@ -301,7 +302,16 @@ def capture(entry: Capture) -> str:
             shown = _LOOPBACK.sub("127.0.0.1:8001", command)  # a stable port in the book
             out = _LOOPBACK.sub("127.0.0.1:8001", _run(command, env, entry.timeout_s))
             parts.append(f"$ {shown}\n{out.rstrip()}\n")
-        return clean("\n".join(parts))
+        return clean("\n".join(parts) + "\n" + stamp())
+
+
+def stamp() -> str:
+    """Where and when: the last line of every capture, so that a figure in the book names both."""
+    sys.path.insert(0, str(REPO_ROOT))
+    threads = importlib.import_module("minivllm.threads")
+    import torch
+    return (f"[captured {time.strftime('%Y-%m-%d')} on {threads.cpu_name().split(',')[0]}, {os.cpu_count()} CPU cores, "
+            f"torch {torch.__version__}, Python {platform.python_version()}]\n")
 
 
 def main() -> int:
