@@ -35,6 +35,22 @@ from minivllm.model_runner import ModelRunner, load_model
 from minivllm.paged_attention import paged_decode, reference_decode
 
 setup = importlib.import_module("01_setup")
+engine04 = importlib.import_module("04_engine")
+
+
+# --8<-- [start:static-cache]
+class StaticCacheEngine(engine04.BaselineEngine):
+    """Chapter 1's engine with one flag of HF's generate: cache_implementation="static". HF then
+    allocates the KV cache once, at its full length, so a decode step has fixed shapes, and on
+    CUDA generate compiles that step and replays it: the same two ideas as this chapter's CUDA
+    graphs, for one batch at a time. It is the peer a GPU engine is measured against:
+    `06_benchmark_offline.py --device cuda --engine 19_gpu:StaticCacheEngine --engine ...`."""
+
+    def _generation_config(self, params, max_new_tokens: int):
+        config = super()._generation_config(params, max_new_tokens)
+        config.cache_implementation = "static"
+        return config
+# --8<-- [end:static-cache]
 
 
 class Sequence:

@@ -158,3 +158,18 @@ def test_enforce_eager_and_the_defaults():
         EngineConfig(compile=True, enforce_eager=False)
     with pytest.raises(ValueError, match="enforce_eager must be True, False or None"):
         EngineConfig(enforce_eager="yes")
+
+
+def test_hf_with_a_static_cache_is_the_same_model_as_hf(tiny_model_dir):
+    """19_gpu.StaticCacheEngine, the GPU peer (HF generate with cache_implementation="static"),
+    gives Chapter 1's greedy tokens, one prompt and a padded batch: only the cache changed."""
+    from conftest import load_script
+    gpu19, engine04 = load_script("19_gpu"), load_script("04_engine")
+    plain = engine04.BaselineEngine(str(tiny_model_dir), device="cpu")
+    static = gpu19.StaticCacheEngine(str(tiny_model_dir), device="cpu")
+    prompts, endless = ["Hello, how are you?", "The sky is blue because the light"], SamplingParams(ignore_eos=True)
+    assert static._generation_config(endless, 8).cache_implementation == "static"
+    for p in prompts:
+        assert static.generate(p, 8, endless).output_ids == plain.generate(p, 8, endless).output_ids
+    assert [r.output_ids for r in static.generate_batch(prompts, 8, endless)] == \
+        [r.output_ids for r in plain.generate_batch(prompts, 8, endless)]
