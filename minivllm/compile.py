@@ -10,6 +10,11 @@
 
 `Compile()` is the feature an engine is handed: it applies to any model Chapters 6, 12 and
 14 build. `17_compile.py` checks it against the eager model and shows its cost.
+
+On CUDA there is nothing to pack (oneDNN is a CPU library): compile=True there means the fused
+glue, which inductor writes as Triton kernels, and a step that runs without Chapter 15's CUDA
+graphs. A GPU decode step is bound by its launches, not by the glue's trips to memory, so on
+a GPU the default (graphs, no compile) is the faster choice.
 """
 
 from __future__ import annotations
