@@ -239,3 +239,32 @@ def test_logprobs_end_where_the_text_ends_at_a_stop_string(tiny_model_dir, engin
         assert len(shorter) < len(cut.text)     # one entry fewer would not cover the text
     finally:
         getattr(engine, "close", lambda: None)()
+
+
+def test_a_batch_samples_on_the_device_what_chapter_1s_sampler_draws_row_by_row():
+    """The engine's sampler leaves each row's draw on the device and moves the step's tokens in
+    one transfer; with the same seeds it draws exactly what sample_next_token draws, row by row."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from minivllm import sampling as lib_sampling
+    from minivllm.contracts import SamplingParams as Params
+    from minivllm.output import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 3
+    params = [Params(temperature=0.8, seed=1), Params(), Params(temperature=1.2, top_k=20, seed=2),
+              Params(temperature=0.7, top_p=0.9, seed=3), Params(temperature=1.0, top_k=5, top_p=0.5, seed=4),
+              Params(temperature=0.5, seed=5)]
+
+    def requests():
+        return [SimpleNamespace(params=p, history=None, constraint=None, finish_reason=None, logprobs=None,
+                                generator=lib_sampling.make_generator(p.seed)) for p in params]
+
+    for _ in range(3):   # the generators advance alike over several steps
+        rows, batch = requests(), requests()
+        want = [[lib_sampling.sample_next_token(logits[i], p, r.generator) for i, (p, r) in
+                 enumerate(zip(params, rows))] for _ in range(4)]
+        got = [sample(logits, batch) for _ in range(4)]
+        assert got == want
