@@ -118,17 +118,22 @@ def test_bad_compile_settings_are_refused(tiny_model_dir):
         cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", compile=True, tensor_parallel_size=0)
 
 
-def test_compiling_leaves_the_process_wide_shape_setting_alone(tiny_model_dir, monkeypatch):
+def test_compiling_leaves_the_process_wide_shape_setting_alone(tiny_model_dir):
     """use_duck_shape=False holds only while the engine's own kernels are traced: building and
     warming up a compiled model leaves torch's global setting as it found it, and every call
     into a compiled op (the one place a first or a later compilation happens) sees it off."""
     import torch.fx.experimental._config as fx_config
-    monkeypatch.setattr(fx_config, "use_duck_shape", True)
-    eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    compiled = compile17.compile_model(eager)
-    compiled.warm_up(paged.KVPool(eager.config, 16, 4))
-    assert fx_config.use_duck_shape is True
-    op, seen = compile17.Compiled(compile17.silu_mul), []
-    op.compiled = lambda *args: seen.append(fx_config.use_duck_shape) or compile17.silu_mul(*args)
-    op(torch.randn(3, 8))
-    assert seen == [False] and fx_config.use_duck_shape is True
+    # A torch config module is not a plain module: monkeypatch's undo would delete the setting,
+    # so it is set and put back by assignment.
+    saved, fx_config.use_duck_shape = fx_config.use_duck_shape, True
+    try:
+        eager = model10.LlamaModel.from_folder(tiny_model_dir)
+        compiled = compile17.compile_model(eager)
+        compiled.warm_up(paged.KVPool(eager.config, 16, 4))
+        assert fx_config.use_duck_shape is True
+        op, seen = compile17.Compiled(compile17.silu_mul), []
+        op.compiled = lambda *args: seen.append(fx_config.use_duck_shape) or compile17.silu_mul(*args)
+        op(torch.randn(3, 8))
+        assert seen == [False] and fx_config.use_duck_shape is True
+    finally:
+        fx_config.use_duck_shape = saved
