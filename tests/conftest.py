@@ -9,6 +9,9 @@ default model itself (provisioned offline by 01_setup.py).
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +34,16 @@ def step_by_step_logits(model, ids: list[int], n_prompt: int):
     for t in range(n_prompt, len(ids)):
         out.append(model.forward(model10.RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
     return torch.cat(out)
+
+
+def run_child(code: str, timeout: float, stderr_tail: int = 3000) -> dict:
+    """Run `code` in a fresh Python on one torch thread; return the JSON of its `RESULT ` line
+    (a process of its own: its own process group, its own children to count)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-stderr_tail:]
+    return json.loads(lines[0][len("RESULT "):])
 
 
 def load_script(name: str):

@@ -6,14 +6,12 @@ process holds one torch.distributed group)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import REPO_ROOT, load_script
+from conftest import REPO_ROOT, load_script, run_child
 
 engine04 = load_script("04_engine")
 PROMPTS = engine04.reference_prompts()[:4]
@@ -54,11 +52,7 @@ CHILD = textwrap.dedent("""
 def test_tensor_parallel_stacks_with_formats_and_compile(tiny_model_dir, options):
     code = CHILD.format(root=str(REPO_ROOT), model=str(tiny_model_dir), options=json.dumps(options),
                         prompts=json.dumps(PROMPTS))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stderr[-3000:]
-    out = json.loads(lines[0][7:])
+    out = run_child(code, timeout=600)
     assert out["same"], out
     assert out["workers"] >= 1 and out["left"] == 0, out   # close() stopped the worker and its helpers
     assert out["quant"].startswith(options.get("quant", "float32"))

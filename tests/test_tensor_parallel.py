@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import REPO_ROOT, load_script
+from conftest import REPO_ROOT, load_script, run_child
 from test_server_continuous import body_for, text_of
 
 cb = load_script("13_continuous_batching_engine")
@@ -270,11 +270,7 @@ REAL = textwrap.dedent("""
 def test_default_model_on_3_processes_matches_one(default_model_dir):
     """In a process of its own: one process holds one group, and this module's engine holds one."""
     code = REAL.format(root=str(REPO_ROOT), tests=str(REPO_ROOT / "tests"), model=str(default_model_dir))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stderr[-2000:]
-    out = json.loads(lines[0][7:])
+    out = run_child(code, timeout=300, stderr_tail=2000)
     assert "sizes that fit: 1, 3" in out["refused"]
     assert out["diff"] < 1e-4
     assert out["same"]

@@ -11,16 +11,13 @@ test (in a process of its own: a process holds one group)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_child
 from minivllm import model as model_module
 from minivllm.collectives import Collectives
 from minivllm.model import LlamaModel, ModelConfig
@@ -201,11 +198,7 @@ def test_one_kv_head_copied_to_two_ranks_gives_the_same_tokens(tmp_path, tiny_mo
     """2 query heads, 1 KV head, 2 ranks: each rank owns one query head and a copy of the KV head."""
     folder = save_tiny(tmp_path / "2h-1kv", 2, 1, tokenizer_from=tiny_model_dir)
     code = CHILD.format(root=str(REPO_ROOT), folder=str(folder), prompts=json.dumps(reference_prompts[:4]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stderr[-3000:]
-    out = json.loads(lines[0][7:])
+    out = run_child(code, timeout=300)
     assert out["same"], out
     assert out["whole"] == [], out                              # rank 0 read only its slices
     assert out["blocks"][0] == out["blocks"][1], out            # the pool's block count, as on one process
