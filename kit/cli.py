@@ -13,8 +13,9 @@ import math
 import re
 from pathlib import Path
 
-from minivllm.config import (GROUP_SIZES, MAX_BLOCK_SIZE, MAX_SEQS, MAX_SPECULATIVE_TOKENS,  # noqa: F401
-                             MAX_TENSOR_PARALLEL, QUANT_FORMATS, QUANT_HEADS, SPECULATIVE_METHODS, EngineConfig)
+from minivllm.config import (DEFAULT_GPU_MEMORY_UTILIZATION, GROUP_SIZES, MAX_BLOCK_SIZE, MAX_SEQS,  # noqa: F401
+                             MAX_SPECULATIVE_TOKENS, MAX_TENSOR_PARALLEL, QUANT_FORMATS, QUANT_HEADS,
+                             SPECULATIVE_METHODS, EngineConfig)
 from minivllm.model_files import DTYPE_NAMES
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
@@ -166,7 +167,8 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                         "on one GPU what --gpu-memory-utilization leaves after the weights (Chapter 15)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                    help="the fraction of the GPU's memory the engine may use, weights, KV pool and a step's "
-                        "activations together, when --kv-memory is not given (Chapter 15; default 0.9)")
+                        "activations together, when --kv-memory is not given "
+                        f"(Chapter 15; default {DEFAULT_GPU_MEMORY_UTILIZATION})")
     g.add_argument("--block-size", type=integer(1, MAX_BLOCK_SIZE), default=None, help="tokens per KV block (Chapter 7)")
     g.add_argument("--max-num-seqs", type=integer(1, MAX_SEQS), default=None,
                    help="sequences in one step, at most (Chapter 9)")

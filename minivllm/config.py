@@ -21,6 +21,7 @@ MAX_BLOCK_SIZE = 1024                                           # Chapter 7: tok
 MAX_TENSOR_PARALLEL = 64                                        # Chapter 14: processes
 DEFAULT_KV_MEMORY = 512 << 20                                   # 728 blocks of 16: 11,648 tokens of the default model
 DEFAULT_BLOCK_SIZE = 16                                         # vLLM's default
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9                            # Chapter 15: vLLM's default fraction of a GPU
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class EngineConfig:
     tensor_parallel_size: int | None = None     # N processes (Chapter 14); None: one process, no group
     enforce_eager: bool | None = None           # True: no CUDA graphs; False: graphs (on the CPU, their
                                                 # padded path, run eagerly); None: graphs on CUDA (Chapter 15)
-    gpu_memory_utilization: float = 0.9         # the fraction of a GPU the engine may use (Chapter 15)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION   # the share of a GPU it may use (Ch. 15)
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: int | None = None) -> None:

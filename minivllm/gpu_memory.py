@@ -21,7 +21,6 @@ import torch
 
 from minivllm.model import ModelConfig
 
-GPU_MEMORY_UTILIZATION = 0.9            # vLLM's default fraction
 FIXED_HEADROOM = 512 << 20              # CUDA context, cuBLAS workspaces, the graphs' pool, fragmentation
 
 

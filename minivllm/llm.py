@@ -27,7 +27,7 @@ import torch
 
 from minivllm.block_manager import BlockManager
 from minivllm.compile import Compile
-from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, EngineConfig
+from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_MEMORY, EngineConfig
 from minivllm.contracts import GenerateResult, SamplingParams
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
@@ -82,7 +82,8 @@ class LLM(LLMEngine):
                  quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
                  speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
                  tensor_parallel_size: int | None = None, compile: bool = False, structured_output=None,
-                 enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.9):
+                 enforce_eager: bool | None = None,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
         config = EngineConfig(kv_memory, block_size, prefix_caching, max_num_seqs, max_num_batched_tokens,
                               speculative, num_speculative_tokens, draft_model, quant, group_size, quant_head,
                               compile, tensor_parallel_size, enforce_eager,

@@ -122,10 +122,10 @@ class Int8Weight(QuantizedWeight):
 
 # --8<-- [start:w8a8]
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations to int8 as they arrive, one scale per row (per token): x ~ xq * xs."""
-    x = x.float()
-    xs = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(x / xs).clamp(-127, 127).to(torch.int8), xs
+    """Activations to int8 as they arrive, one scale per row (per token): x ~ xq * xs. The rule
+    is the weights' own (a row's largest |x| becomes 127), applied to each token's row."""
+    xq, xs = quantize_int8(x)
+    return xq, xs[:, None]
 
 
 def int8_mm(xq: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
