@@ -40,9 +40,9 @@ import torch
 
 from kit import cli
 from minivllm import threads as cpu_threads
-from minivllm.compile import (Compile, Compiled, CompiledModel, PackedWeight, add_rms_norm,  # noqa: F401
-                              can_pack, compile_model, packed_weights, paged_decode_attention, rope_split,
-                              silu_mul)
+from minivllm.packed import PackedWeight, can_pack, packed_weights  # noqa: F401
+from minivllm.compile import (FUSED_GLUE_MIN_TOKENS, Compile, Compiled, CompiledModel,  # noqa: F401
+                              add_rms_norm, compile_model, paged_decode_attention, rope_split, silu_mul)
 from minivllm.kv_cache import KVPool
 from minivllm.llm import LLM
 from minivllm.model import LlamaModel
@@ -72,11 +72,51 @@ def generated_kernel(fn=silu_mul, *example) -> str:
 # --8<-- [end:show-kernel]
 
 
+# --8<-- [start:glue-costs]
+def glue_costs(compiled: CompiledModel, pool: KVPool, rounds: int = 5, context: int = 256) -> list[tuple]:
+    """One forward with the glue fused, and with the same glue run eagerly, by step size: decode
+    steps of 1 to 32 rows (`context` tokens cached each) and prefills of 64 to 512 tokens. The two
+    alternate, best of `rounds` each. Returns (step, tokens, fused ms, eager ms) rows."""
+    bs, saved = pool.block_size, compiled.fused_glue_min_tokens
+    width = -(-(context + 1) // bs)
+    steps = [(f"decode, {n} row{'s' * (n > 1)}", pool.batch([[1]] * n, [list(range(r * width, (r + 1) * width))
+                                                                        for r in range(n)], [context] * n, "cpu"))
+             for n in (1, 8, 32)]
+    steps += [(f"prefill, {n} tokens", pool.batch([[1] * n], [list(range(-(-n // bs)))], [0], "cpu"))
+              for n in (64, 128, 256, 512)]
+    rows = []
+    try:
+        for label, batch in steps:
+            best = {0: float("inf"), 1 << 30: float("inf")}      # threshold 0: always fused; huge: never
+            for _ in range(rounds + 1):                          # the first round warms both up
+                for threshold in best:
+                    compiled.fused_glue_min_tokens = threshold
+                    start = time.perf_counter()
+                    compiled.forward(batch, pool)
+                    best[threshold] = min(best[threshold], time.perf_counter() - start)
+            rows.append((label, len(batch.token_ids), best[0] * 1e3, best[1 << 30] * 1e3))
+    finally:
+        compiled.fused_glue_min_tokens = saved
+    return rows
+# --8<-- [end:glue-costs]
+
+
+def print_glue_costs(rows: list[tuple]) -> None:
+    print(f"\n[fused glue or eager glue?]  one forward, the same packed weights, best of each; "
+          f"the engine fuses from {FUSED_GLUE_MIN_TOKENS} tokens a step")
+    print(f"  {'step':<22}{'tokens':>7}{'fused ms':>10}{'eager ms':>10}   fused is")
+    for label, tokens, fused, eager in rows:
+        verdict = f"{eager / fused:.2f}x as fast"
+        print(f"  {label:<22}{tokens:>7}{fused:>10.1f}{eager:>10.1f}   {verdict}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 13: eager vs compiled, on the same weights: the same "
                                                  "logits? Timings: 17_compile_demo.py")
     cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--show-kernel", action="store_true", help="only print the C++ generated for SiLU·mul")
+    parser.add_argument("--glue", action="store_true",
+                        help="also time a forward with the glue fused and eager, decode and prefill sizes")
     args = parser.parse_args()
     if args.show_kernel:
         with torch.inference_mode():
@@ -115,6 +155,8 @@ def main() -> None:
     print(f"  prefill logits: max |eager - compiled| = {worst:.1e}; greedy tokens identical on "
           f"{same} of {len(engine04.reference_prompts())} prompts")
     # --8<-- [end:check]
+    if args.glue:
+        print_glue_costs(glue_costs(compiled, KVPool.from_memory(c, (32 * 272 + 600) * c.kv_bytes_per_token(torch.float32))))
 
 
 

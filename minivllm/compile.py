@@ -2,11 +2,14 @@
 
     packed weights  each matrix handed to oneDNN once, at load, in the blocked layout its
                     kernel reads (vLLM's CPU backend does the same); float32 and bf16
+                    (minivllm/packed.py)
     paged attention a decode row's attention written as plain torch over its block table;
                     torch.compile turns it into one loop that reads keys where they lie
                     (an option: on the CPU, Chapter 7's copy + SDPA measured faster)
     fused glue      residual add + RMSNorm, RoPE on q and k, SiLU·mul: each one compiled
-                    kernel instead of several
+                    kernel instead of several, in steps of FUSED_GLUE_MIN_TOKENS tokens or
+                    more (below that, entering four compiled regions a layer costs more
+                    than the passes over memory they save)
 
 `Compile()` is the feature an engine is handed: it applies to any model Chapters 6, 12 and
 14 build. `17_compile.py` checks it against the eager model and shows its cost.
@@ -28,50 +31,14 @@ import torch.nn.functional as F
 
 from minivllm.kv_cache import PagedBatch
 from minivllm.model import LlamaModel, apply_rope, rms_norm, rope_angles
-from minivllm.weights import map_weights
-from minivllm.quantization import HalfWeight
+from minivllm.packed import packed_weights
 
-# --8<-- [start:packed]
-class PackedWeight:
-    """A float32 or bf16 matrix in oneDNN's blocked layout, packed once: x @ Wᵀ without the
-    per-call repacking a plain GEMM does. bf16 runs on AVX-512 bf16 units where the CPU has them."""
-
-    def __init__(self, w: torch.Tensor, dtype: torch.dtype):
-        self.dtype, self.shape = dtype, tuple(w.shape)
-        # the batch size is a hint for the blocking; any number of rows works afterwards
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), 32)
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "")
-        return out.to(x.dtype)
-
-
-def can_pack(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
-
-
-def packed_weights(model: LlamaModel) -> dict:
-    """Every matrix a matmul reads, packed where oneDNN has a kernel for its format: float32
-    tensors and bf16 HalfWeights. int8 and int4 keep Chapter 12's packed kernels; the embedding
-    table stays a table (a tied LM head gets its own packed copy). Packing reaches inside
-    wrappers: a tensor-parallel shard (Chapter 14) packs its own slice."""
-    if not can_pack(model.device):
-        return dict(model.w)
-
-    def pack(name: str, weight):
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32:
-            return PackedWeight(weight, torch.float32)
-        if isinstance(weight, HalfWeight) and weight.w.dtype == torch.bfloat16 and weight.path == "fast":
-            return PackedWeight(weight.w, torch.bfloat16)
-        return weight
-
-    return map_weights(model, pack, [name for name in model.w if name != "embed"])
-# --8<-- [end:packed]
-
+# Below this many tokens in a step, the glue runs eagerly. Entering a compiled region costs about
+# 10 us (guards, a cache lookup, the wrapper), paid 4 times in each of 30 layers; at decode sizes
+# the passes over memory it saves are smaller than that. `python 17_compile.py --glue` measures
+# both sides by step size: on a 2-core AMD EPYC the fused glue lost up to 128 tokens a step
+# and won from 256 on (a 489-token prefill 10% faster).
+FUSED_GLUE_MIN_TOKENS = 256
 
 # --8<-- [start:paged-attention]
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -175,13 +142,21 @@ class CompiledModel(LlamaModel):
     compiled = True    # engines report it in features()
 
     @classmethod
-    def from_model(cls, model: LlamaModel, enabled: bool = True, paged_attention: bool = False) -> CompiledModel:
+    def from_model(cls, model: LlamaModel, enabled: bool = True, paged_attention: bool = False,
+                   fused_glue_min_tokens: int = FUSED_GLUE_MIN_TOKENS) -> CompiledModel:
         compiled = cls(model.config, packed_weights(model))
         compiled.paged_attention = paged_attention   # off: measured slower here (17_compile_demo.py)
         compiled.format_name = model.format_name     # a Chapter 12 model keeps its name
         compiled.ops = {fn.__name__: Compiled(fn, enabled)
                         for fn in (paged_decode_attention, add_rms_norm, rope_split, silu_mul)}
+        compiled.eager_glue = {fn.__name__: fn for fn in (add_rms_norm, rope_split, silu_mul)}
+        compiled.fused_glue_min_tokens = fused_glue_min_tokens
         return compiled
+
+    def glue_for(self, num_tokens: int) -> dict:
+        """The fused glue for a step big enough to gain from it, the same functions run eagerly
+        for a smaller one (FUSED_GLUE_MIN_TOKENS says why)."""
+        return self.ops if num_tokens >= self.fused_glue_min_tokens else self.eager_glue
 
     def attention_of(self, i: int, q, batch, cache) -> torch.Tensor:
         """Each part of the batch attends in its own way: decode rows in place, prefills via a copy."""
@@ -212,7 +187,7 @@ class CompiledModel(LlamaModel):
     @torch.inference_mode()
     @distinct_sizes
     def forward(self, batch, cache, all_logits: bool = False, timer=None, num_logits=None) -> torch.Tensor:
-        c, w, ops = self.config, self.w, self.ops
+        c, w, ops = self.config, self.w, self.glue_for(len(batch.token_ids))
         x = w["embed"][batch.token_ids]
         cos, sin = rope_angles(batch.positions, self.inv_freq, self.dtype)
         h = rms_norm(x, w["model.layers.0.norm1"], c.rms_norm_eps)
@@ -251,8 +226,12 @@ class CompiledModel(LlamaModel):
                  ([[1], [2]], [bs, bs]),                           # decodes: 2 rows of 2 blocks,
                  ([[1], [2], [3]], [2 * bs, 2 * bs, 2 * bs]),      # 3 rows of 3, one row
                  ([[1]], [bs])]
-        for ids, starts in steps:
-            self.forward(pool.batch(ids, tables[:len(ids)], starts, self.device), pool)
+        threshold, self.fused_glue_min_tokens = self.fused_glue_min_tokens, 0   # the glue traced too
+        try:
+            for ids, starts in steps:
+                self.forward(pool.batch(ids, tables[:len(ids)], starts, self.device), pool)
+        finally:
+            self.fused_glue_min_tokens = threshold
         for k, v in zip(pool.k, pool.v):   # leave the pool as it was found: zeros
             k.zero_()
             v.zero_()
@@ -260,13 +239,18 @@ class CompiledModel(LlamaModel):
     # --8<-- [end:warm-up]
 
 
-def compile_model(model: LlamaModel, enabled: bool = True, paged_attention: bool = False) -> CompiledModel:
+def compile_model(model: LlamaModel, enabled: bool = True, paged_attention: bool = False,
+                  fused_glue_min_tokens: int = FUSED_GLUE_MIN_TOKENS) -> CompiledModel:
     """model -> the same model, compiled. paged_attention: decode rows attend in place through
     the compiled kernel above, instead of Chapter 7's copy and SDPA; off by default, since on
-    the CPU measured it was slower."""
+    the CPU measured it was slower. fused_glue_min_tokens: the smallest step whose glue runs
+    fused (0: every step's)."""
     if not isinstance(model, LlamaModel):
         raise ValueError(f"compile works on a LlamaModel, got {type(model).__name__}")
-    return CompiledModel.from_model(model, enabled, paged_attention)
+    if isinstance(fused_glue_min_tokens, bool) or not isinstance(fused_glue_min_tokens, int) \
+            or fused_glue_min_tokens < 0:
+        raise ValueError(f"fused_glue_min_tokens must be an integer >= 0, got {fused_glue_min_tokens!r}")
+    return CompiledModel.from_model(model, enabled, paged_attention, fused_glue_min_tokens)
 
 
 class Compile:

@@ -36,8 +36,9 @@ def gathered_attention(q, k_pool, v_pool, tables, lens, block_size):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["copy-then-sdpa", "paged-in-place"])
 def models(tiny_model_dir, request):
+    """The glue fused in every step (threshold 0), so that these small steps check the fused kernels."""
     eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    return eager, compile17.compile_model(eager, paged_attention=request.param)
+    return eager, compile17.compile_model(eager, paged_attention=request.param, fused_glue_min_tokens=0)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -71,6 +72,27 @@ def test_compiled_model_matches_eager_on_every_kind_of_step(models):
         torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
     used = [name for name in compiled.ops if name != "paged_decode_attention" or compiled.paged_attention]
     assert all(compiled.ops[name].compiled is not None for name in used), "an op fell back to eager"
+
+
+@pytest.mark.parametrize("threshold", [0, 6, 1 << 20])
+def test_the_glue_is_fused_only_from_the_threshold_on(tiny_model_dir, threshold):
+    """Steps of 5 and 6 tokens: each runs the fused ops only at or above the threshold, and the
+    logits are the eager model's either way."""
+    eager = model10.LlamaModel.from_folder(tiny_model_dir)
+    compiled = compile17.compile_model(eager, fused_glue_min_tokens=threshold)
+    calls = []
+    for name in ("add_rms_norm", "rope_split", "silu_mul"):
+        op = compiled.ops[name]
+        op.compiled = (lambda fn: lambda *args: calls.append(fn.__name__) or fn(*args))(op.fn)
+    pools = [paged.KVPool(eager.config, 16, 4) for _ in range(2)]
+    for n in (5, 6):
+        calls.clear()
+        out = [m.forward(pool.batch([list(range(1, n + 1))], [[0, 1]], [0], "cpu"), pool)
+               for m, pool in zip((eager, compiled), pools)]
+        torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
+        assert bool(calls) == (n >= threshold), (n, threshold, calls)
+    with pytest.raises(ValueError, match="fused_glue_min_tokens"):
+        compile17.compile_model(eager, fused_glue_min_tokens=-1)
 
 
 def test_compiled_model_on_chapter_6_rows_cache(models):
@@ -137,3 +159,15 @@ def test_compiling_leaves_the_process_wide_shape_setting_alone(tiny_model_dir):
         assert seen == [False] and fx_config.use_duck_shape is True
     finally:
         fx_config.use_duck_shape = saved
+
+
+def test_glue_costs_time_both_ways_and_put_the_threshold_back(tiny_model_dir, capsys):
+    eager = model10.LlamaModel.from_folder(tiny_model_dir)
+    compiled = compile17.compile_model(eager)
+    pool = paged.KVPool(eager.config, 32 * 3 + 40, 16)
+    rows = compile17.glue_costs(compiled, pool, rounds=1, context=20)
+    assert [r[1] for r in rows] == [1, 8, 32, 64, 128, 256, 512]
+    assert all(fused > 0 and eager_ms > 0 for _, _, fused, eager_ms in rows)
+    assert compiled.fused_glue_min_tokens == compile17.FUSED_GLUE_MIN_TOKENS
+    compile17.print_glue_costs(rows)
+    assert "prefill, 512 tokens" in capsys.readouterr().out
