@@ -767,6 +767,29 @@ def test_table_without_a_peer_compares_with_the_first_engine_only(mixed_world, c
     assert summary_block(printed, "against FakeStaticEngine") == {"FakeSubmitEngine": ["2.50x"] * 4}
 
 
+def test_table_keeps_a_peer_that_failed_midway_where_it_ran(mixed_world, fake_vllm, monkeypatch, capsys):
+    peer_measure, runs = offline.peers.VllmPeer.measure, []
+
+    def measure(self, items):   # vLLM runs batch 1, then fails on prefill
+        runs.append(len(items))
+        if len(runs) > 1:
+            raise offline.peers.PeerFailed("vLLM exited with code 1: out of memory")
+        return peer_measure(self, items)
+    monkeypatch.setattr(offline.peers.VllmPeer, "measure", measure)
+    result = offline.main(["--workload", "table", "--ignore-eos", "--runs", "1", "--warmup", "0",
+                           "--engine", "fake:FakeSubmitEngine", "--model", fake_vllm["model"], "--peer", "vllm",
+                           "--peer-venv", fake_vllm["venv"]])
+    assert runs == [1, 1]                                   # not tried again on batch 32 and mixed 32
+    assert result["summary"]["rows"]["vLLM"] == {"batch_1": 16.0, "prefill": None, "batch_32": None,
+                                                 "mixed_32": None}
+    printed = capsys.readouterr().out
+    assert printed.count("vLLM failed, its row is left out: vLLM exited with code 1: out of memory") == 1
+    assert summary_block(printed, "[Speed table")["vLLM"] == ["16.0", "-", "-", "-"]
+    assert summary_block(printed, "ours / vLLM")["FakeSubmitEngine"][1:] == ["-", "-", "-"]
+    vs_vllm = result["summary"]["vs_peer"]["FakeSubmitEngine"]
+    assert vs_vllm["batch_1"] == pytest.approx(10 / 16) and list(vs_vllm.values())[1:] == [None] * 3
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-prompts", "4"], "fixes every workload's requests, sizes and budgets: drop --num-prompts"),
     (["--max-new-tokens", "8", "--num-prompts", "2"], "drop --num-prompts, --max-new-tokens"),
