@@ -14,13 +14,17 @@ request, and summarise latency as mean and p50/p90/p99: the slow tail is what us
     python 06_benchmark_offline.py --workload mixed --ignore-eos --runs 1 \\
         --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine \\
         --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch StaticBatchEngine
-    python 06_benchmark_offline.py --workload mixed --ignore-eos --runs 1 \\
-        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
 
 `--workload mixed` is Chapter 9's: 32 requests with the prompt lengths and budgets of
 `data/mixed_workload.json`, each with its own max_new_tokens. An engine with an engine
 loop (`submit`) gets them all at once; an engine named by `--batch` runs static batches
 that last as long as their largest budget; any other engine runs them one by one.
+`--workload table` is Chapter 13's speed table (kit/suite.py): batch 1, a 489-token prefill,
+batch 32 and the mixed workload, one after another, summed up in one table of tokens/s:
+
+    python 06_benchmark_offline.py --workload table --ignore-eos --runs 1 \\
+        --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine \\
+        --engine 17_compile:CompiledEngine --batch BaselineEngine --peer vllm
 
 The engine's feature flags (`--quant`, `--prefix-caching`, `--kv-memory`, `--max-num-seqs`, ...,
 the same as 05_server.py's) become constructor keywords of every engine named: an engine
@@ -43,10 +47,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from kit import bench, cli, peers, progress
+from kit import bench, cli, peers, progress, suite
 from kit.bench import RequestRecord
 from kit.workloads import WorkItem, load_prompts, mixed_workload
-from minivllm.threads import thread_count
 
 setup = importlib.import_module("01_setup")
 engine_mod = importlib.import_module("04_engine")
@@ -147,14 +150,6 @@ def workload(engine, args) -> list[WorkItem]:
             for p in load_prompts(args.prompts, args.num_prompts)]
 
 
-def estimate_s(warm_s: float, warm_tokens: int, items: list[WorkItem], runs: int) -> float | None:
-    """The measured runs' length at the warm-up's pace per output token, were every request
-    served alone and to its whole budget: an upper bound for engines that batch or stop early."""
-    if warm_tokens <= 0:
-        return None
-    return warm_s / warm_tokens * sum(w.max_new_tokens for w in items) * runs
-
-
 def measure(engines: list, runners: list, items: list[list[WorkItem]], params, args,
             labels: list[str] | None = None) -> tuple[list, list]:
     """Warm each engine up, then time args.runs passes: every engine's records and seconds."""
@@ -165,7 +160,8 @@ def measure(engines: list, runners: list, items: list[list[WorkItem]], params, a
         if warm and not getattr(engine, "warms_up_itself", False):   # the peer warms up in its own process
             progress.say(f"[warm-up] {label}: {len(warm)} request(s), not counted")
             recs, secs = run(engine, warm, params, progress.Progress(len(warm), "requests", enabled=False))
-            estimates.append(estimate_s(secs, sum(r.output_tokens for r in recs), engine_items, args.runs))
+            estimates.append(progress.estimate_s(secs, sum(r.output_tokens for r in recs),
+                                                 sum(w.max_new_tokens for w in engine_items) * args.runs))
     total = args.runs * sum(map(len, items))
     if estimates and None not in estimates:   # said before the long part starts, not discovered after it
         progress.say(f"[plan] {total} requests ({args.runs} run(s) x {len(engines)} engine(s)): at most about "
@@ -184,9 +180,31 @@ def measure(engines: list, runners: list, items: list[list[WorkItem]], params, a
     return records, seconds
 
 
+def measure_workload(engines, specs, labels, peer, build, params, args, parser) -> suite.Measured:
+    """One workload measured: build(engine) gives each engine its requests (the peer gets the
+    first engine's); a peer that failed, now or on an earlier workload, is left out with the reason."""
+    try:
+        items = [build(e) for e in engines]
+    except ValueError as exc:
+        parser.error(str(exc))
+    runners = [runner_for(e, spec, label, args, len(its)) for e, spec, label, its in zip(engines, specs, labels, items)]
+    if peer and not peer.error:   # one more engine in the alternation: the same requests, the same model folder
+        engines, items, labels = engines + [peer], items + [items[0]], labels + [peer.name]
+        runners.append(("all at once (median of its 3 passes)", peers.run_peer))
+    try:   # a request the engine refuses (a prompt plus budget past the context) ends the run in one line
+        records, seconds = measure(engines, runners, items, params, args, labels)
+    except ValueError as exc:
+        parser.error(f"an engine refused a request of this workload: {exc}")
+    if labels[-1] == getattr(peer, "name", None) and peer.error:   # our rows stand; the peer's is dropped
+        print(f"[peer] vLLM failed, its row is left out: {peer.error}", flush=True)
+        labels, records, seconds, runners = labels[:-1], records[:-1], seconds[:-1], runners[:-1]
+    stats = [bench.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, records, seconds)]
+    return suite.Measured(labels, stats, records, [mode for mode, _ in runners], items[0])
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Offline benchmark: time engine.generate in-process.")
-    bench.common_args(parser)
+    bench.common_args(parser, table=True)
     parser.add_argument("--runs", type=cli.integer(1, 1000), default=2, help="measured passes over the prompt set")
     parser.add_argument("--batch", nargs="*", metavar="ENGINE", default=None,
                         help="time generate_batch (static batches) instead of generate: for every engine, "
@@ -197,15 +215,10 @@ def main(argv: list[str] | None = None) -> dict:
     peers.add_args(parser)
     args = parser.parse_args(argv)
     bench.check_common(parser, args)
+    suite.check_args(parser, args)
     if args.batch_size is not None and args.batch is None:
         parser.error("--batch-size only applies with --batch")
-    if args.peer and not args.ignore_eos:
-        parser.error("--peer: vLLM's script always generates each request's whole budget; "
-                     "add --ignore-eos so that our engines do the same work")
-    problem = args.peer and peers.missing(args.peer_venv)
-    if problem:   # said at once, not after the run; our engines are measured all the same
-        print(f"[peer] {problem}\n[peer] measuring our engines only.", flush=True)
-        args.peer = None
+    peers.check_args(parser, args)
 
     specs = args.engine or ["04_engine:BaselineEngine"]
     labels = bench.engine_labels(specs)
@@ -217,48 +230,24 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         engines = [engine_mod.load_engine(spec, args.model, device=args.device, **options)
                    for spec in specs]   # each loaded once
-        items = [workload(e, args) for e in engines]
     except ValueError as exc:
         parser.error(str(exc))
-    runners = [runner_for(e, spec, label, args, len(its)) for e, spec, label, its in zip(engines, specs, labels, items)]
     peer = None
-    if args.peer:   # one more engine in the alternation: the same requests, the same model folder
+    if args.peer:
         peer = peers.find(args.peer, args.peer_venv, setup.resolve_model(args.model), torch.get_num_threads(),
                           args.peer_timeout, options, engines[0].tokenizer)
-        engines, items, labels = engines + [peer], items + [items[0]], labels + [peer.name]
-        runners.append(("all at once (median of its 3 passes)", peers.run_peer))
-        print(f"[peer] {peers.version(peer.venv)} from {peer.venv}, {thread_count(peer.threads)}, prefix caching "
-              f"{'on' if options.get('prefix_caching') else 'off'}; not passed on: "
-              f"{', '.join(peer.describe()['not_passed_on']) or 'nothing'}", flush=True)
-    try:   # a request the engine refuses (a prompt plus budget past the context) ends the run in one line
-        records, seconds = measure(engines, runners, items, params, args, labels)
-    except ValueError as exc:
-        parser.error(f"an engine refused a request of this workload: {exc}")
-    if peer and peer.error:   # our rows stand; the peer's is dropped with the reason
-        print(f"[peer] vLLM failed, its row is left out: {peer.error}", flush=True)
-        labels, records, seconds, runners = labels[:-1], records[:-1], seconds[:-1], runners[:-1]
-
-    all_stats = [bench.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, records, seconds)]
-    modes = [mode for mode, _ in runners]
-    mode = modes[0] if len(set(modes)) == 1 else ", ".join(f"{lb} {m}" for lb, m in zip(labels, modes))
-    budgets = sorted({w.max_new_tokens for w in items[0]})
-    budget = (f"max_new_tokens={budgets[0]}" if len(budgets) == 1 else
-              f"own budgets {', '.join(map(str, budgets))}")
-    title = (f"Offline benchmark: {len(items[0])} {'mixed requests' if args.workload == 'mixed' else 'prompts'}"
-             f" x {args.runs} runs, {mode}, {budget}{', ignore_eos' if args.ignore_eos else ''}")
-    bench.print_table(title, all_stats, SUBMITTED)
-    if peer and not peer.error:
-        print("\n".join(peers.ratio_lines(all_stats, peer.name)))
-    for stats, recs in zip(all_stats, records):
-        beyond = sum(r.beyond_budget for r in recs)
-        if beyond:
-            print(f"  [{stats.name}] static batches run to their largest budget: {beyond} tokens generated "
-                  f"past their own request's budget were not counted, but every request waited for them")
-    config = {**vars(args), "engine": specs, "mode": mode,   # what was really run, for the record
+        print(peer.announce(), flush=True)
+    config = {**vars(args), "engine": specs,   # what was really run, for the record
               "model": getattr(engines[0], "model_name", args.model),
               "device": str(getattr(engines[0], "device", "")), "peer": peer.describe() if peer else None}
-    bench.save_outputs(args, config, all_stats, records, title)
-    return {"config": config, "stats": all_stats, "records": records}
+    measure_one = functools.partial(measure_workload, engines, specs, labels, peer, params=params, args=args,
+                                    parser=parser)
+    if args.workload == "table":
+        return suite.run_table(measure_one, args, config, peer.name if peer else None)
+
+    m = measure_one(functools.partial(workload, args=args))
+    config["mode"] = suite.report(m, args, config, peer.name if peer else None, SUBMITTED)
+    return {"config": config, "stats": m.stats, "records": m.records}
 
 
 if __name__ == "__main__":

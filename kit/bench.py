@@ -201,14 +201,16 @@ def write_json(path: str | Path, config: dict, all_stats: list[BenchStats], all_
     Path(path).write_text(json.dumps({"config": config, "results": results}, indent=2))
 
 
-def common_args(parser: argparse.ArgumentParser) -> None:
-    """The flags both benchmarks share, so the two are run the same way."""
+def common_args(parser: argparse.ArgumentParser, table: bool = False) -> None:
+    """The flags both benchmarks share, so the two are run the same way. `table`: offer Chapter 13's
+    speed table too, which only the offline benchmark runs (kit/suite.py)."""
     parser.add_argument("--engine", action="append", help="module:Class; repeat it to compare engines "
                         "(default: 04_engine:BaselineEngine)")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--workload", choices=("prompts", "mixed"), default="prompts",
+    parser.add_argument("--workload", choices=("prompts", "mixed") + (("table",) if table else ()), default="prompts",
                         help="prompts: the committed prompt set, one budget (--max-new-tokens); mixed: "
-                        "data/mixed_workload.json's prompt lengths and per-request budgets")
+                        "data/mixed_workload.json's prompt lengths and per-request budgets"
+                        + ("; table: batch 1, prefill, batch 32 and mixed in one table of tokens/s" if table else ""))
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="benchmark prompt file")
     parser.add_argument("--num-prompts", type=cli.integer(1, 10_000), default=None,
                         help="use only the first N prompts (mixed: N requests, default 32)")

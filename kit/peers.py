@@ -33,6 +33,7 @@ from pathlib import Path
 from kit import cli
 from kit.bench import BenchStats, RequestRecord
 from kit.workloads import REPO_ROOT, WorkItem
+from minivllm.threads import thread_count
 
 PEERS = ("vllm",)
 DEFAULT_VENV = "/tmp/peers/vllm"
@@ -58,6 +59,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help=f"the venv holding vLLM (default: $VLLM_VENV or {DEFAULT_VENV})")
     g.add_argument("--peer-timeout", type=cli.number(above=0, high=86_400), default=1800,
                    help="seconds one vLLM run may take, model loading included (default 1800)")
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """--peer needs equal work; a peer that is not installed is said at once, not after the run,
+    and dropped: our engines are measured all the same."""
+    if args.peer and not args.ignore_eos:
+        parser.error("--peer: vLLM's script always generates each request's whole budget; "
+                     "add --ignore-eos so that our engines do the same work")
+    problem = args.peer and missing(args.peer_venv)
+    if problem:
+        print(f"[peer] {problem}\n[peer] measuring our engines only.", flush=True)
+        args.peer = None
 
 
 def peers_dir() -> Path:
@@ -176,6 +189,11 @@ class VllmPeer:
                 "threads": self.threads, "passed_on": {k: v for k, v in self.options.items() if k in MIRRORED},
                 "not_passed_on": sorted(k for k in self.options if k not in MIRRORED),
                 "prefix_caching": bool(self.options.get("prefix_caching")), "printed": self.log}
+
+    def announce(self) -> str:
+        return (f"[peer] {version(self.venv)} from {self.venv}, {thread_count(self.threads)}, prefix caching "
+                f"{'on' if self.options.get('prefix_caching') else 'off'}; not passed on: "
+                f"{', '.join(self.describe()['not_passed_on']) or 'nothing'}")
 
     def measure(self, items: list[WorkItem]) -> float:
         """One run of vllm_offline.py on these requests: the wall time of its median pass, in seconds."""

@@ -83,6 +83,14 @@ class Progress:
         self.close()
 
 
+def estimate_s(warm_s: float, warm_tokens: int, budget_tokens: int) -> float | None:
+    """Seconds for budget_tokens output tokens at the warm-up's pace per token, were every request
+    served alone and to its whole budget: an upper bound for engines that batch or stop early."""
+    if warm_tokens <= 0:
+        return None
+    return warm_s / warm_tokens * budget_tokens
+
+
 def say(text: str) -> None:
     """A progress remark (a plan, an estimate): on stderr, beside the progress lines."""
     print(text, file=sys.stderr, flush=True)

@@ -62,18 +62,27 @@ def mixed_workload(tokenizer, n: int = 32, seed: int = 0) -> list[WorkItem]:
     if n < 1:
         raise ValueError(f"a workload needs n >= 1 requests, got {n}")
     spec = load_workload()["requests"]
-    # Single newlines only: a cut inside a blank line would re-encode as one "\n\n" token.
-    docs = [re.sub(r"\n\s*\n", "\n", p.get("text") or "\n".join(m["content"] for m in p["messages"])).strip()
-            for p in load_prompts()]
+    docs = documents()
     rng = random.Random(seed)
     items = []
     for i in range(n):
         req, first = spec[i % len(spec)], rng.randrange(len(docs))
-        text = "\n".join(docs[first:] + docs[:first])   # starts at a document's start, wraps round
-        items.append(WorkItem(text_of_length(tokenizer, text, req["prompt_tokens"]), req["max_tokens"]))
+        items.append(WorkItem(text_of_length(tokenizer, running_text(docs, first), req["prompt_tokens"]),
+                              req["max_tokens"]))
     return items
 
 
+def documents() -> list[str]:
+    """The benchmark prompts as plain text, chats as their messages' contents, one document each.
+    Single newlines only: a cut inside a blank line would re-encode as one "\n\n" token."""
+    return [re.sub(r"\n\s*\n", "\n", p.get("text") or "\n".join(m["content"] for m in p["messages"])).strip()
+            for p in load_prompts()]
+
+
+def running_text(docs: list[str], first: int = 0) -> str:
+    """The documents run together from document `first`, wrapping round: every cut starts at a
+    document's start."""
+    return "\n".join(docs[first:] + docs[:first])
 def text_of_length(tokenizer, text: str, n_tokens: int) -> str:
     """A prefix of text that tokenizes to exactly n_tokens tokens.
 
@@ -90,3 +99,28 @@ def text_of_length(tokenizer, text: str, n_tokens: int) -> str:
             return prefix
     raise ValueError(f"no prefix of the text tokenizes to exactly {n_tokens} tokens")
 # --8<-- [end:mixed-workload]
+
+
+# The speed table's workloads (06_benchmark_offline.py --workload table): decode alone, prefill
+# alone, decode in a batch, then the mixed workload. Their budgets make equal work for every engine.
+TABLE_NEW_TOKENS = 128
+PREFILL_TOKENS = 489   # with its one new token, it fits the tests' tiny model (512 positions)
+
+
+def single_workload(tokenizer, seed: int = 0) -> list[WorkItem]:
+    """Batch 1: the mixed workload's first prompt alone, 128 new tokens. Its few dozen prompt
+    tokens make the run almost all decode: one token at a time, every weight read per token."""
+    return [WorkItem(mixed_workload(tokenizer, 1, seed)[0].prompt, TABLE_NEW_TOKENS)]
+
+
+def prefill_workload(tokenizer, n_tokens: int = PREFILL_TOKENS) -> list[WorkItem]:
+    """Prefill: one plain-text prompt of exactly n_tokens tokens, the benchmark documents from
+    the first, and a single new token, so the run is (almost) the prompt's forward pass alone.
+    No seed: there is one prompt, and the table compares engines, not texts."""
+    return [WorkItem(text_of_length(tokenizer, running_text(documents()), n_tokens), 1)]
+
+
+def batch_workload(tokenizer, n: int = 32, seed: int = 0) -> list[WorkItem]:
+    """Batch n: the mixed workload's first n prompts, 128 new tokens each. Unlike the mixed
+    workload every request has the same budget, so no engine loses time to uneven lengths."""
+    return [WorkItem(w.prompt, TABLE_NEW_TOKENS) for w in mixed_workload(tokenizer, n, seed)]

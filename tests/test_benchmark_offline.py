@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -605,6 +606,9 @@ def test_peer_output_is_parsed_or_refused():
 
     line = "workload: 3 requests, output tokens/s median 257.3 (runs [250.1, 257.3, 260.0])"
     assert peers.parse_rates(f"noise\n{line}\nbatch 1: tokens/s median 40.0\n", 3) == (257.3, [250.1, 257.3, 260.0])
+    # Three decimals, as vllm_offline.py prints them: a 1-token prefill's rate keeps its precision.
+    precise = "workload: 1 requests, output tokens/s median 9.875 (runs [9.812, 9.875, 10.125])"
+    assert peers.parse_rates(precise, 1) == (9.875, [9.812, 9.875, 10.125])
     with pytest.raises(peers.PeerFailed, match="not the 4 it was given"):
         peers.parse_rates(line, 4)
     with pytest.raises(peers.PeerFailed, match="no 'workload:' line"):
@@ -655,7 +659,170 @@ def test_the_repositorys_vllm_script_prints_what_the_benchmark_reads(tmp_path):
                            "--single", "x", "--prefill", "one two three"],
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "workload: 2 requests, output tokens/s median" in done.stdout
+    assert re.search(r"workload: 2 requests, output tokens/s median \d+\.\d{3} \(runs \[\d+\.\d{3}, "
+                     r"\d+\.\d{3}, \d+\.\d{3}\]\)", done.stdout), done.stdout
     assert "batch 1: tokens/s median" in done.stdout and "prefill: 3 tokens" in done.stdout
     rate, runs = peers.parse_rates(done.stdout, 2)
     assert rate > 0 and len(runs) == 3
+
+
+# --- the speed table (--workload table): four workloads, one summary --------------------------
+
+def test_table_workloads_have_exact_token_counts_and_budgets(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec, mixed = committed_requests(), workloads.mixed_workload(tokenizer, 32, seed=3)
+    (single,) = workloads.single_workload(tokenizer, seed=3)
+    assert single == workloads.WorkItem(mixed[0].prompt, 128)
+    (prefill,) = workloads.prefill_workload(tokenizer)
+    assert len(tokenizer(prefill.prompt).input_ids) == 489 and prefill.max_new_tokens == 1
+    assert "\n\n" not in prefill.prompt and prefill.prompt.startswith(workloads.documents()[0][:40])
+    assert len(tokenizer(workloads.prefill_workload(tokenizer, 100)[0].prompt).input_ids) == 100
+    batch = workloads.batch_workload(tokenizer, seed=3)
+    assert [w.prompt for w in batch] == [w.prompt for w in mixed] and {w.max_new_tokens for w in batch} == {128}
+    assert [len(tokenizer(w.prompt).input_ids) for w in batch] == [r["prompt_tokens"] for r in spec[:32]]
+    assert len(workloads.batch_workload(tokenizer, 5)) == 5
+    with pytest.raises(ValueError, match="cannot cut 100000 tokens"):
+        workloads.prefill_workload(tokenizer, 100_000)
+
+
+def summary_block(printed: str, title: str) -> dict[str, list[str]]:
+    """The rows of one block of the speed table, from its title line to the next title or 'where'."""
+    lines = printed[printed.index(title):].splitlines()[1:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("  ") or line.startswith("   ") or line.strip() == "where" \
+                or line.startswith("  ours /") or line.startswith("  against "):
+            break
+        name, *cells = line.split()
+        rows[name] = cells
+    return rows
+
+
+def test_table_measures_four_workloads_and_sums_them_up(mixed_world, fake_vllm, tmp_path, capsys):
+    out, png = tmp_path / "table.json", tmp_path / "table.png"
+    result = offline.main(["--workload", "table", "--ignore-eos", "--runs", "1", "--warmup", "1",
+                           "--engine", "fake:FakeStaticEngine", "--engine", "fake:FakeSubmitEngine",
+                           "--batch", "FakeStaticEngine", "--model", fake_vllm["model"], "--peer", "vllm",
+                           "--peer-venv", fake_vllm["venv"], "--json", str(out), "--plot", str(png)])
+    mixed_budget = sum(r["max_tokens"] for r in committed_requests()[:32])
+    # One request per budget step: the static engine takes 250 ms a step for its whole batch, the
+    # engine loop 100 ms a step for each request alone, vLLM 16 output tokens/s on every workload.
+    # Prefill: 489 prompt tokens (one token a character) in one step; vLLM's 1 token at 16/s is 1/16 s.
+    static = {"batch_1": 128 / 32, "prefill": 489 / 0.25, "batch_32": 32 * 128 / 32, "mixed_32": mixed_budget / 64}
+    loop = {"batch_1": 128 / 12.8, "prefill": 489 / 0.1, "batch_32": 32 * 128 / 12.8,
+            "mixed_32": mixed_budget / 25.6}
+    vllm = {"batch_1": 16.0, "prefill": 489 * 16.0, "batch_32": 16.0, "mixed_32": 16.0}
+    summary = result["summary"]
+    assert list(summary["rows"]) == ["FakeStaticEngine", "FakeSubmitEngine", "vLLM"]
+    for name, wanted in (("FakeStaticEngine", static), ("FakeSubmitEngine", loop), ("vLLM", vllm)):
+        assert summary["rows"][name] == pytest.approx(wanted)
+    calls = fake_vllm["calls"]()   # one vLLM run per workload, on the very requests ours got
+    assert [[w["max_tokens"] for w in c["work"]] for c in calls][:3] == [[128], [1], [128] * 32]
+    assert len(calls) == 4 and len(calls[1]["work"][0]["prompt"]) == 489 and len(calls[3]["work"]) == 32
+
+    printed = capsys.readouterr().out
+    assert printed.rstrip().splitlines()[-1].split()[:2] == ["mixed", "32"]   # the table's legend ends it
+    assert printed.index("[saved]") < printed.index("[Speed table")
+    for key, header in (("batch_1", "[batch 1]"), ("prefill", "[prefill 489 tok]"), ("batch_32", "[batch 32]"),
+                        ("mixed_32", "[mixed 32]")):
+        assert header in printed   # each workload's line, said as it ends
+    table = summary_block(printed, "[Speed table")
+    assert table["engine"] == ["batch", "1", "prefill", "489", "tok", "batch", "32", "mixed", "32"]
+    assert table["FakeStaticEngine"] == ["4.00", "1956.0", "128.0", bench.fmt(mixed_budget / 64)]
+    assert table["vLLM"] == ["16.0", "7824.0", "16.0", "16.0"]
+    def ratios(title):   # printed with two decimals: compared to within their rounding
+        return {name: [float(cell.rstrip("x")) for cell in cells] for name, cells in summary_block(printed, title).items()}
+    vs_vllm = ratios("ours / vLLM (above 1: faster than vLLM)")
+    assert list(vs_vllm) == ["FakeStaticEngine", "FakeSubmitEngine"]
+    assert vs_vllm["FakeStaticEngine"] == pytest.approx([0.25, 0.25, 8.0, mixed_budget / 64 / 16], abs=0.0051)
+    assert vs_vllm["FakeSubmitEngine"] == pytest.approx([0.625, 0.625, 20.0, mixed_budget / 25.6 / 16], abs=0.0051)
+    vs_first = ratios("against FakeStaticEngine (above 1: faster than FakeStaticEngine)")
+    assert list(vs_first) == ["FakeSubmitEngine", "vLLM"]
+    assert vs_first["FakeSubmitEngine"] == pytest.approx([2.5] * 4, abs=0.0051)
+    assert vs_first["vLLM"] == pytest.approx([4.0, 4.0, 0.125, 16 * 64 / mixed_budget], abs=0.0051)
+
+    saved = json.loads(out.read_text())
+    assert list(saved["workloads"]) == ["batch_1", "prefill", "batch_32", "mixed_32"]
+    prefill = saved["workloads"]["prefill"]
+    assert [r["stats"]["name"] for r in prefill["results"]] == ["FakeStaticEngine", "FakeSubmitEngine", "vLLM"]
+    assert [r["stats"]["input_tokens"] for r in prefill["results"]] == [489, 489, 489]
+    assert prefill["modes"]["FakeStaticEngine"] == "batch of 1"
+    assert saved["workloads"]["batch_32"]["modes"]["FakeStaticEngine"] == "batch of 32"
+    assert saved["summary"]["vs_peer"]["FakeSubmitEngine"]["batch_32"] == pytest.approx(20.0)
+    assert saved["summary"]["vs_first"]["FakeStaticEngine"]["vLLM"]["prefill"] == pytest.approx(4.0)
+    assert saved["config"]["workload"] == "table" and len(saved["config"]["peer"]["printed"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_table_without_a_peer_compares_with_the_first_engine_only(mixed_world, capsys):
+    result = offline.main(["--workload", "table", "--ignore-eos", "--runs", "1", "--warmup", "0",
+                           "--engine", "fake:FakeStaticEngine", "--engine", "fake:FakeSubmitEngine",
+                           "--batch", "FakeStaticEngine"])
+    assert result["summary"]["vs_peer"] == {} and list(result["summary"]["rows"]) == ["FakeStaticEngine",
+                                                                                      "FakeSubmitEngine"]
+    printed = capsys.readouterr().out
+    assert "ours / vLLM" not in printed and "vLLM" not in printed
+    assert summary_block(printed, "against FakeStaticEngine") == {"FakeSubmitEngine": ["2.50x"] * 4}
+
+
+def test_table_keeps_a_peer_that_failed_midway_where_it_ran(mixed_world, fake_vllm, monkeypatch, capsys):
+    peer_measure, runs = offline.peers.VllmPeer.measure, []
+
+    def measure(self, items):   # vLLM runs batch 1, then fails on prefill
+        runs.append(len(items))
+        if len(runs) > 1:
+            raise offline.peers.PeerFailed("vLLM exited with code 1: out of memory")
+        return peer_measure(self, items)
+    monkeypatch.setattr(offline.peers.VllmPeer, "measure", measure)
+    result = offline.main(["--workload", "table", "--ignore-eos", "--runs", "1", "--warmup", "0",
+                           "--engine", "fake:FakeSubmitEngine", "--model", fake_vllm["model"], "--peer", "vllm",
+                           "--peer-venv", fake_vllm["venv"]])
+    assert runs == [1, 1]                                   # not tried again on batch 32 and mixed 32
+    assert result["summary"]["rows"]["vLLM"] == {"batch_1": 16.0, "prefill": None, "batch_32": None,
+                                                 "mixed_32": None}
+    printed = capsys.readouterr().out
+    assert printed.count("vLLM failed, its row is left out: vLLM exited with code 1: out of memory") == 1
+    assert summary_block(printed, "[Speed table")["vLLM"] == ["16.0", "-", "-", "-"]
+    assert summary_block(printed, "ours / vLLM")["FakeSubmitEngine"][1:] == ["-", "-", "-"]
+    vs_vllm = result["summary"]["vs_peer"]["FakeSubmitEngine"]
+    assert vs_vllm["batch_1"] == pytest.approx(10 / 16) and list(vs_vllm.values())[1:] == [None] * 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prompts", "4"], "fixes every workload's requests, sizes and budgets: drop --num-prompts"),
+    (["--max-new-tokens", "8", "--num-prompts", "2"], "drop --num-prompts, --max-new-tokens"),
+    (["--batch", "--batch-size", "4"], "drop --batch-size"),
+    (["--prompts", "other.json"], "drop --prompts"),
+    (["--prefix-caching"], "would time a cache hit, not a prefill; drop --prefix-caching"),
+])
+def test_table_refuses_flags_that_would_change_its_workloads(argv, message, mixed_world, capsys):
+    with pytest.raises(SystemExit):
+        offline.main(["--engine", "fake:FakeEngine", "--workload", "table", "--ignore-eos"] + argv)
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()[-1]) > len(message)
+
+
+def test_table_on_the_tiny_model_counts_the_tokens_its_columns_are_defined_by(tiny_model_dir, monkeypatch):
+    """The real engine and tokenizer see the prompt lengths the workloads were cut to. Batch 1 and
+    prefill only: 32 requests of 128 tokens would take the tiny model many seconds, and their
+    token counts are the builders' (test_table_workloads_have_exact_token_counts_and_budgets)."""
+    from kit import suite
+
+    monkeypatch.setattr(suite, "COLUMNS", suite.COLUMNS[:2])
+    result = offline.main(["--model", str(tiny_model_dir), "--device", "cpu", "--workload", "table",
+                           "--ignore-eos", "--runs", "1", "--warmup", "0", "--batch"])
+    counted = {key: (m.stats[0].input_tokens, m.stats[0].output_tokens) for key, m in result["workloads"].items()}
+    assert counted == {"batch_1": (committed_requests()[0]["prompt_tokens"], 128), "prefill": (489, 1)}
+    prefill = result["workloads"]["prefill"].stats[0]
+    assert result["summary"]["rows"]["BaselineEngine"]["prefill"] == 489 / prefill.duration_s
+
+
+def test_table_needs_equal_work_and_is_offline_only(mixed_world, capsys):
+    with pytest.raises(SystemExit):
+        offline.main(["--engine", "fake:FakeEngine", "--workload", "table"])
+    assert "its columns are defined by their budgets" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_script("06_benchmark_online").main(["--workload", "table"])
+    assert "invalid choice: 'table'" in capsys.readouterr().err

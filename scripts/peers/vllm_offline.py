@@ -52,8 +52,10 @@ def main() -> None:
         outputs, seconds = runs([w["prompt"] for w in work], params)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates = [tokens / s for s in seconds]
-        print(f"workload: {len(work)} requests, output tokens/s median {statistics.median(rates):.1f} "
-              f"(runs {[round(r, 1) for r in rates]})")
+        # Three decimals: a prefill run makes one token a request, and one decimal of its rate
+        # would round the seconds kit/peers.py derives from it by a few percent.
+        print(f"workload: {len(work)} requests, output tokens/s median {statistics.median(rates):.3f} "
+              f"(runs [{', '.join(f'{r:.3f}' for r in rates)}])")
     if args.single:
         _, seconds = runs([args.single], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
         print(f"batch 1: tokens/s median {statistics.median(128 / s for s in seconds):.1f}")
