@@ -6,7 +6,8 @@ shapes:
 
     matmuls     every x @ Wᵀ of the step (4 per layer and the LM head), the format's kernel
     attention   each layer's attention over the paged pool: eager copies the blocks into a
-                rectangle for SDPA, compiled reads them in place
+                rectangle for SDPA, compiled reads them in place with the C++ kernel
+                (`inductor`: the same in place, written as plain torch under torch.compile)
     the rest    the step minus both: norms, RoPE, SiLU·mul, residual adds, KV writes, Python
 
 beside the floor Chapter 4's roofline sets: the step's bytes (weights and the keys and values
@@ -103,17 +104,18 @@ def attention(model, pool, batch):
 
 
 def in_place(model, pool, batch):
-    """The same attention through the compiled paged kernel, reading blocks where they lie."""
-    c, was = model.config, model.paged_attention
+    """The same attention through paged_decode_attention under torch.compile, the in-place
+    path written as plain torch, for the inductor column."""
+    c, was = model.config, model.decode_attention
     q = torch.randn(len(batch.token_ids), c.num_heads, c.head_dim)
 
     def run():
-        model.paged_attention = True
+        model.decode_attention = "compiled"
         try:
             for i in range(c.num_layers):
                 model.attention_of(i, q, batch, pool)
         finally:
-            model.paged_attention = was
+            model.decode_attention = was
     return run
 
 
@@ -174,7 +176,7 @@ def apart(folder, args) -> None:
     bandwidth = roofline.measure_bandwidth(torch.device("cpu"))
     print(f"\n[a decode step taken apart]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
     print(f"{'format':<8}{'batch':>6}  {'mode':<9}{'step':>8}{'matmuls':>9}{'attention':>10}{'rest':>8}"
-          f"{'floor':>8}{'in place':>10}   ms")
+          f"{'floor':>8}{'inductor':>10}   ms")
     rows = []
     for quant in args.formats:
         eager = runner10.load_model(folder, features=[] if quant == "none" else [WeightFormat(quant)])

@@ -3,9 +3,9 @@
     packed weights  each matrix handed to oneDNN once, at load, in the blocked layout its
                     kernel reads (vLLM's CPU backend does the same); float32 and bf16
                     (minivllm/packed.py)
-    paged attention a decode row's attention written as plain torch over its block table;
-                    torch.compile turns it into one loop that reads keys where they lie
-                    (an option: on the CPU, Chapter 7's copy + SDPA measured faster)
+    paged attention a decode row's attention read from the pool in place, through its block
+                    table: a C++ kernel (minivllm/cpu_attention.py), or the same written as
+                    plain torch for torch.compile to fuse (an option: measured slower)
     fused glue      residual add + RMSNorm, RoPE on q and k, SiLU·mul: each one compiled
                     kernel instead of several, in steps of FUSED_GLUE_MIN_TOKENS tokens or
                     more (below that, entering four compiled regions a layer costs more
@@ -29,9 +29,23 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
+from minivllm import cpu_attention
 from minivllm.kv_cache import PagedBatch
 from minivllm.model import LlamaModel, apply_rope, rms_norm, rope_angles
 from minivllm.packed import packed_weights
+
+# How decode rows of a paged batch attend: "kernel" reads the pool in place in C++
+# (minivllm/cpu_attention.py), "compiled" in place through paged_decode_attention below under
+# torch.compile, "copy" copies the blocks into a rectangle for SDPA (Chapter 7); "auto" is the
+# kernel where it can run, else the copy. `python 17_compile_demo.py --part apart` times all three.
+DECODE_ATTENTION = ("auto", "kernel", "compiled", "copy")
+
+
+def check_decode_attention(how) -> str:
+    if how not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {how!r}")
+    return how
+
 
 # Below this many tokens in a step, the glue runs eagerly. Entering a compiled region costs about
 # 10 us (guards, a cache lookup, the wrapper), paid 4 times in each of 30 layers; at decode sizes
@@ -134,18 +148,17 @@ class Compiled:
 class CompiledModel(LlamaModel):
     """Chapter 6's forward with packed weights, fused glue and paged decode attention.
 
-    With paged_attention, decode rows of a paged batch attend in place through their block
-    tables; every other part (prefill chunks, verifications, a cache of rows) keeps Chapter 6's
-    copy-then-SDPA path.
+    decode_attention says how decode rows of a paged batch attend (DECODE_ATTENTION); every
+    other part (prefill chunks, verifications, a cache of rows) keeps Chapter 6's copy-then-SDPA.
     """
 
     compiled = True    # engines report it in features()
 
     @classmethod
-    def from_model(cls, model: LlamaModel, enabled: bool = True, paged_attention: bool = False,
+    def from_model(cls, model: LlamaModel, enabled: bool = True, decode_attention: str = "auto",
                    fused_glue_min_tokens: int = FUSED_GLUE_MIN_TOKENS) -> CompiledModel:
         compiled = cls(model.config, packed_weights(model))
-        compiled.paged_attention = paged_attention   # off: measured slower here (17_compile_demo.py)
+        compiled.decode_attention = decode_attention
         compiled.format_name = model.format_name     # a Chapter 12 model keeps its name
         compiled.ops = {fn.__name__: Compiled(fn, enabled)
                         for fn in (paged_decode_attention, add_rms_norm, rope_split, silu_mul)}
@@ -158,13 +171,25 @@ class CompiledModel(LlamaModel):
         for a smaller one (FUSED_GLUE_MIN_TOKENS says why)."""
         return self.ops if num_tokens >= self.fused_glue_min_tokens else self.eager_glue
 
+    def decode_attention_for(self, cache) -> str:
+        """"kernel", "compiled" or "copy" on this cache: "auto" is the kernel where it runs (a
+        float32 pool on the CPU, with a C++ compiler), else the copy; a cache of rows always copies."""
+        if not hasattr(cache, "block_size"):
+            return "copy"
+        if self.decode_attention == "auto":
+            return "kernel" if cpu_attention.available(cache.k[0]) else "copy"
+        if self.decode_attention == "kernel" and not cpu_attention.available(cache.k[0]):
+            return "copy"      # asked for, not buildable here: said once by cpu_attention
+        return self.decode_attention
+
     def attention_of(self, i: int, q, batch, cache) -> torch.Tensor:
         """Each part of the batch attends in its own way: decode rows in place, prefills via a copy."""
         outs = []
         for rows, tokens, part in batch.parts:
             tables = getattr(batch, "block_tables", None)
-            if tables is not None and max(part.lengths) == 1 and self.paged_attention:
-                outs.append(self._decode(i, q[tokens], tables[rows], part, cache))
+            how = self.decode_attention_for(cache) if tables is not None and max(part.lengths) == 1 else "copy"
+            if how != "copy":
+                outs.append(self._decode(i, q[tokens], tables[rows], part, cache, how))
                 continue
             if tables is not None:   # a prefill part: its own rows' blocks, copied for SDPA
                 width = -(-part.context_len // cache.block_size)
@@ -174,9 +199,11 @@ class CompiledModel(LlamaModel):
             outs.append(self.attend(q[tokens], k, v, part))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, i: int, q, tables, part, cache) -> torch.Tensor:
+    def _decode(self, i: int, q, tables, part, cache, how: str) -> torch.Tensor:
         n, q = len(part.lengths), q.contiguous()    # one memory layout: one compiled kernel
         lens = torch.tensor([s + 1 for s in part.starts], device=q.device)
+        if how == "kernel":                         # the C++ kernel: any width, any number of rows
+            return cpu_attention.paged_decode_attention(q, cache.k[i], cache.v[i], tables, lens, cache.block_size)
         if tables.shape[1] == 1:   # never width 1 or one row: the compiler would specialise on it
             tables = torch.cat([tables, tables], dim=1)
         if n == 1:
@@ -239,18 +266,17 @@ class CompiledModel(LlamaModel):
     # --8<-- [end:warm-up]
 
 
-def compile_model(model: LlamaModel, enabled: bool = True, paged_attention: bool = False,
+def compile_model(model: LlamaModel, enabled: bool = True, decode_attention: str = "auto",
                   fused_glue_min_tokens: int = FUSED_GLUE_MIN_TOKENS) -> CompiledModel:
-    """model -> the same model, compiled. paged_attention: decode rows attend in place through
-    the compiled kernel above, instead of Chapter 7's copy and SDPA; off by default, since on
-    the CPU measured it was slower. fused_glue_min_tokens: the smallest step whose glue runs
-    fused (0: every step's)."""
+    """model -> the same model, compiled. decode_attention: one of DECODE_ATTENTION.
+    fused_glue_min_tokens: the smallest step whose glue runs fused (0: every step's)."""
     if not isinstance(model, LlamaModel):
         raise ValueError(f"compile works on a LlamaModel, got {type(model).__name__}")
+    check_decode_attention(decode_attention)
     if isinstance(fused_glue_min_tokens, bool) or not isinstance(fused_glue_min_tokens, int) \
             or fused_glue_min_tokens < 0:
         raise ValueError(f"fused_glue_min_tokens must be an integer >= 0, got {fused_glue_min_tokens!r}")
-    return CompiledModel.from_model(model, enabled, paged_attention, fused_glue_min_tokens)
+    return CompiledModel.from_model(model, enabled, decode_attention, fused_glue_min_tokens)
 
 
 class Compile:
@@ -259,10 +285,8 @@ class Compile:
 
     name = "compile"
 
-    def __init__(self, paged_attention: bool = False, enabled: bool = True):
-        if not isinstance(paged_attention, bool):
-            raise ValueError(f"paged_attention must be True or False, got {paged_attention!r}")
-        self.paged_attention, self.enabled = paged_attention, enabled
+    def __init__(self, decode_attention: str = "auto", enabled: bool = True):
+        self.decode_attention, self.enabled = check_decode_attention(decode_attention), enabled
 
     def __call__(self, model: LlamaModel) -> CompiledModel:
-        return compile_model(model, self.enabled, self.paged_attention)
+        return compile_model(model, self.enabled, self.decode_attention)

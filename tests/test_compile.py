@@ -34,11 +34,12 @@ def gathered_attention(q, k_pool, v_pool, tables, lens, block_size):
     return out.reshape(n, -1)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["copy-then-sdpa", "paged-in-place"])
+@pytest.fixture(scope="module", params=["copy", "compiled", "kernel"])
 def models(tiny_model_dir, request):
-    """The glue fused in every step (threshold 0), so that these small steps check the fused kernels."""
+    """Each way decode rows attend, with the glue fused in every step (threshold 0), so that
+    these small steps check the fused kernels too."""
     eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    return eager, compile17.compile_model(eager, paged_attention=request.param, fused_glue_min_tokens=0)
+    return eager, compile17.compile_model(eager, decode_attention=request.param, fused_glue_min_tokens=0)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -56,6 +57,41 @@ def test_paged_decode_attention_is_exact_on_ragged_rows(compiled):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_kernel_matches_plain_torch_on_ragged_rows_and_refuses_bad_tables():
+    """The C++ kernel against the same attention as copy + SDPA: one token, a block and one,
+    exactly full blocks, shuffled blocks, grouped-query heads, one row and a width of one block;
+    a table pointing outside the pool or a length beyond its table is an error, not a read."""
+    from minivllm import cpu_attention
+    torch.manual_seed(0)
+    block_size, num_blocks, heads, kv_heads, dim = 4, 40, 6, 2, 8
+    k_pool, v_pool = (torch.randn(num_blocks * block_size, kv_heads, dim) for _ in range(2))
+    assert cpu_attention.available(k_pool), "the kernel could not be built here"
+    lens = torch.tensor([1, 5, 13, 16, 9])
+    tables = torch.randperm(num_blocks)[:5 * 4].view(5, 4)
+    q = torch.randn(5, heads, dim)
+    for rows, width in ((slice(None), 4), (slice(1, 2), 2), (slice(0, 1), 1)):
+        args = (q[rows], k_pool, v_pool, tables[rows, :width].contiguous(), lens[rows], block_size)
+        torch.testing.assert_close(cpu_attention.paged_decode_attention(*args), gathered_attention(*args),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables + num_blocks, lens, block_size)
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables[:, :2].contiguous(), lens, block_size)
+
+
+def test_without_the_kernel_auto_falls_back_to_the_copy(tiny_model_dir, monkeypatch):
+    from minivllm import cpu_attention
+    eager = model10.LlamaModel.from_folder(tiny_model_dir)
+    compiled = compile17.compile_model(eager)
+    pool = paged.KVPool(eager.config, 16, 4)
+    assert compiled.decode_attention_for(pool) == "kernel"
+    monkeypatch.setattr(cpu_attention, "available", lambda k: False)
+    assert compiled.decode_attention_for(pool) == "copy"
+    assert compiled.decode_attention_for(eager.new_cache(1, 8)) == "copy"   # a cache of rows has no blocks
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        compile17.Compile(decode_attention="fast")
+
+
 def test_compiled_model_matches_eager_on_every_kind_of_step(models):
     """Prefill, ragged decodes, a prefill chunk beside decodes, a verification of 3 tokens:
     two pools, one per model, fed the same steps."""
@@ -70,7 +106,7 @@ def test_compiled_model_matches_eager_on_every_kind_of_step(models):
         out = [m.forward(pool.batch(ids, tables, starts, "cpu"), pool, num_logits=num_logits)
                for m, pool in zip((eager, compiled), pools)]
         torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
-    used = [name for name in compiled.ops if name != "paged_decode_attention" or compiled.paged_attention]
+    used = [name for name in compiled.ops if name != "paged_decode_attention" or compiled.decode_attention == "compiled"]
     assert all(compiled.ops[name].compiled is not None for name in used), "an op fell back to eager"
 
 
