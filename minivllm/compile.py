@@ -50,8 +50,8 @@ def check_decode_attention(how) -> str:
 # Below this many tokens in a step, the glue runs eagerly. Entering a compiled region costs about
 # 10 us (guards, a cache lookup, the wrapper), paid 4 times in each of 30 layers; at decode sizes
 # the passes over memory it saves are smaller than that. `python 17_compile.py --glue` measures
-# both sides by step size: on a 2-core AMD EPYC the fused glue lost up to 128 tokens a step
-# and won from 256 on (a 489-token prefill 10% faster).
+# both sides by step size: on a 2-core Intel Xeon the fused glue lost below 256 tokens a step
+# (a one-row decode 1.16 times as long), broke even at 256 and won at 512 (5%).
 FUSED_GLUE_MIN_TOKENS = 256
 
 # --8<-- [start:paged-attention]

@@ -1,8 +1,8 @@
 """Chapter 15: paged decode attention as one GPU kernel (Triton).
 
 A decode row brings one new query token and attends to every key its sequence has cached.
-Chapter 7 copied each row's blocks into one rectangle and called SDPA; Chapter 13 wrote the
-copy as plain torch for the compiler to fuse. Here the loop is written by hand, as vLLM's and
+Chapter 7 copied each row's blocks into one rectangle and called SDPA; Chapter 13 read them in
+place on the CPU, in C++ (and as plain torch for the compiler to fuse). Here the loop is written, as vLLM's and
 nano-vllm's kernels are: one program per (decode row, KV head) walks the row's block table and
 reads each key and value where it lies in the KV pool, keeping a running softmax (the "online"
 softmax of FlashAttention), so no copy is made and nothing waits on the host.

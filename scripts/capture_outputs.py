@@ -216,6 +216,13 @@ CAPTURES = [
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
         " --runs 1 --engine 17_compile:CompiledEngine --peer vllm --max-num-batched-tokens 2048",
     ], timeout_s=3600, peer=True),
+    # Chapter 13's speed table in one command: HF, eager and compiled engines, vLLM; two threads each
+    Capture("17_compile_table", [
+        "OMP_NUM_THREADS=2 python 06_benchmark_offline.py --workload table --ignore-eos --runs 1 --warmup 1"
+        " --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine"
+        " --engine 17_compile:CompiledEngine --batch BaselineEngine --peer vllm --plot book/assets/ch13-table.png",
+    ], timeout_s=3600, peer=True),
+    Capture("17_compile_glue", ["python 17_compile.py --threads 2 --glue"], timeout_s=900),
     Capture("17_compile_kernel", ["python 17_compile.py --show-kernel"], timeout_s=600),
     Capture("17_verification_packed", ["python 17_compile_demo.py --threads 1 --part verification"], timeout_s=600),
     Capture("17_compile_demo", ["python 17_compile_demo.py --threads 1 --thread-counts 1 2 "

@@ -43,6 +43,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   float* outs = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
 
+  // --8<-- [start:loop]
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
@@ -80,5 +81,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
       std::copy(acc.begin(), acc.end(), outs + (i * heads + g * group) * dim);
     }
   });
+  // --8<-- [end:loop]
   return out;
 }
