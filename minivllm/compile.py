@@ -176,10 +176,8 @@ class CompiledModel(LlamaModel):
         float32 pool on the CPU, with a C++ compiler), else the copy; a cache of rows always copies."""
         if not hasattr(cache, "block_size"):
             return "copy"
-        if self.decode_attention == "auto":
+        if self.decode_attention in ("auto", "kernel"):   # not buildable here: said once by cpu_attention
             return "kernel" if cpu_attention.available(cache.k[0]) else "copy"
-        if self.decode_attention == "kernel" and not cpu_attention.available(cache.k[0]):
-            return "copy"      # asked for, not buildable here: said once by cpu_attention
         return self.decode_attention
 
     def attention_of(self, i: int, q, batch, cache) -> torch.Tensor:

@@ -28,6 +28,8 @@ _lock, _module, _failure = threading.Lock(), None, None
 def _build():
     """The compiled extension, built once per process (and once per machine: torch caches it)."""
     global _module, _failure
+    if _module is not None or _failure is not None:   # decided already: no lock on every layer's call
+        return _module
     with _lock:
         if _module is None and _failure is None:
             try:
@@ -41,7 +43,8 @@ def _build():
                                       functions=["paged_decode_attention"],
                                       extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
             except Exception as exc:   # no compiler, no ninja, no headers: the copy + SDPA path stays
-                _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                _failure = f"{type(exc).__name__}: {first_line[:160]}"
                 print(f"[kernel] paged attention kernel unavailable, decode attention copies its blocks "
                       f"instead ({_failure})", flush=True)
     return _module

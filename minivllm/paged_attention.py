@@ -2,10 +2,11 @@
 
 A decode row brings one new query token and attends to every key its sequence has cached.
 Chapter 7 copied each row's blocks into one rectangle and called SDPA; Chapter 13 read them in
-place on the CPU, in C++ (and as plain torch for the compiler to fuse). Here the loop is written, as vLLM's and
-nano-vllm's kernels are: one program per (decode row, KV head) walks the row's block table and
-reads each key and value where it lies in the KV pool, keeping a running softmax (the "online"
-softmax of FlashAttention), so no copy is made and nothing waits on the host.
+place on the CPU, in C++ (and as plain torch for the compiler to fuse). Here the loop is written
+for the GPU, as vLLM's and nano-vllm's kernels are: one program per (decode row, KV head) walks
+the row's block table and reads each key and value where it lies in the KV pool, keeping a
+running softmax (the "online" softmax of FlashAttention), so no copy is made and nothing waits
+on the host.
 
 Everything the kernel needs comes as device tensors of fixed shapes: block tables padded to one
 width, context lengths as a tensor. A CUDA graph (minivllm/cuda_graphs.py) can then record the
