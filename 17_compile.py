@@ -13,9 +13,9 @@ Three changes, none of which touches the model's arithmetic:
 
     packed weights  each matrix handed to oneDNN once, at load, in the blocked layout its
                     kernel reads (vLLM's CPU backend does the same); float32 and bf16
-    paged attention a decode row's attention written as plain torch over its block table;
-                    torch.compile turns it into one C++ loop that reads keys where they lie
-                    (an option: on the CPU measured, Chapter 7's copy + SDPA was faster)
+    paged attention a decode row's attention read from the pool where it lies, through its
+                    block table: a C++ kernel (minivllm/csrc), or the same written as plain
+                    torch for torch.compile (slower on the CPUs measured)
     fused glue      residual add + RMSNorm, RoPE on q and k, SiLU·mul: each one compiled
                     kernel instead of several
 
@@ -24,6 +24,7 @@ Three changes, none of which touches the model's arithmetic:
 format. The code lives in `minivllm/compile.py`; this script checks it.
 
     python 17_compile.py                 # eager vs compiled: the same logits? the compile's cost
+    python 17_compile.py --kernel        # the attention kernel with and without its compiler flags
     python 17_compile_demo.py --part steps       # a step's time, eager vs compiled, batch 1 to 32
     python 17_compile_demo.py --plot ch13.png    # a step taken apart, every format, batch 1 and 32
     python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --compile \\
@@ -39,6 +40,7 @@ import time
 import torch
 
 from kit import cli
+from minivllm import cpu_attention
 from minivllm import threads as cpu_threads
 from minivllm.packed import PackedWeight, can_pack, packed_weights  # noqa: F401
 from minivllm.compile import (FUSED_GLUE_MIN_TOKENS, Compile, Compiled, CompiledModel,  # noqa: F401
@@ -110,11 +112,48 @@ def print_glue_costs(rows: list[tuple]) -> None:
         print(f"  {label:<22}{tokens:>7}{fused:>10.1f}{eager:>10.1f}   {verdict}")
 
 
+# --8<-- [start:kernel-flags]
+def kernel_flags(config, rows: int = 32, context: int = 256, rounds: int = 7) -> list[tuple]:
+    """The C++ attention kernel built three ways and timed on one layer's decode attention, `rows`
+    rows of `context` cached tokens in shuffled blocks, the builds alternating, best of `rounds`:
+    as shipped, without -ffast-math (exp one element at a time), without -fopenmp (one thread).
+    Returns (build, ms) rows."""
+    builds = {"as shipped": cpu_attention.CFLAGS,
+              "without -ffast-math": [f for f in cpu_attention.CFLAGS if f != "-ffast-math"],
+              "without -fopenmp": [f.replace("-fopenmp", "-fopenmp-simd") for f in cpu_attention.CFLAGS]}
+    kernels = {name: cpu_attention.compile_kernel(flags) for name, flags in builds.items()}
+    bs, width = 16, -(-context // 16)
+    gen = torch.Generator().manual_seed(0)
+    k_pool, v_pool = (torch.randn(rows * width * bs, config.num_kv_heads, config.head_dim, generator=gen)
+                      for _ in range(2))
+    tables = torch.randperm(rows * width, generator=gen).view(rows, width)
+    q, lens = torch.randn(rows, config.num_heads, config.head_dim, generator=gen), torch.full((rows,), context)
+    best = dict.fromkeys(kernels, float("inf"))
+    for _ in range(rounds + 1):                    # the first round warms each up
+        for name, kernel in kernels.items():
+            start = time.perf_counter()
+            for _ in range(10):                    # a layer's call, ten times: one call is too short to time
+                kernel.paged_decode_attention(q, k_pool, v_pool, tables, lens, bs)
+            best[name] = min(best[name], (time.perf_counter() - start) / 10)
+    return [(name, ms * 1e3) for name, ms in best.items()]
+# --8<-- [end:kernel-flags]
+
+
+def print_kernel_flags(timings: list[tuple], config, rows: int, context: int) -> None:
+    print(f"[the attention kernel's compiler flags]  one layer: {rows} rows x {context} cached tokens, "
+          f"{config.num_heads} query heads on {config.num_kv_heads} KV heads, {torch.get_num_threads()} threads")
+    shipped = timings[0][1]
+    for name, ms in timings:
+        print(f"  {name:<22}{ms:>7.2f} ms   {ms / shipped:4.2f}x the time as shipped")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 13: eager vs compiled, on the same weights: the same "
                                                  "logits? Timings: 17_compile_demo.py")
     cli.add_model_flags(parser, device=False, threads=True)
     parser.add_argument("--show-kernel", action="store_true", help="only print the C++ generated for SiLU·mul")
+    parser.add_argument("--kernel", action="store_true",
+                        help="only time the C++ attention kernel built with and without its compiler flags")
     parser.add_argument("--glue", action="store_true",
                         help="also time a forward with the glue fused and eager, decode and prefill sizes")
     args = parser.parse_args()
@@ -124,6 +163,12 @@ def main() -> None:
         return
     engine04 = importlib.import_module("04_engine")
     folder = setup.resolve_model(args.model)
+    if args.kernel:
+        config = LlamaModel.from_folder(folder).config
+        print(f"[{cpu_threads.cpu_name()}]  float32, torch {torch.__version__}")
+        rows, context = 32, 256
+        print_kernel_flags(kernel_flags(config, rows, context), config, rows, context)
+        return
     eager = LlamaModel.from_folder(folder)
     compiled = compile_model(eager)
     c = eager.config

@@ -14,6 +14,7 @@ copy and SDPA; the reason is printed once.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -22,7 +23,26 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+# -fopenmp: at::parallel_for splits the tasks over torch's OpenMP threads (without it, the pragma
+# is ignored and the kernel runs on one thread). -ffast-math, at compile time only (so the process's
+# handling of denormals is left alone): the softmax's exp becomes glibc's vector exp (libmvec) and
+# its sums may be reordered, which halved the kernel's time on a 2-core Xeon.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _lock, _module, _failure = threading.Lock(), None, None
+
+
+def compile_kernel(cflags: list[str] = CFLAGS):
+    """Build the extension with these compiler flags, or load it from torch's cache (each set of
+    flags is an extension of its own name, so that 17_compile.py --kernel can load several)."""
+    from torch.utils.cpp_extension import load_inline
+    if shutil.which("ninja") is None:   # a venv's python run without activating the venv
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    name = "minivllm_paged_attention_cpu"
+    if cflags != CFLAGS:
+        name += "_" + hashlib.sha1(" ".join(cflags).encode()).hexdigest()[:8]
+    return load_inline(name, SOURCE.read_text(), functions=["paged_decode_attention", "parallel_threads"],
+                       extra_cflags=cflags, extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [])
 
 
 def _build():
@@ -33,21 +53,22 @@ def _build():
     with _lock:
         if _module is None and _failure is None:
             try:
-                from torch.utils.cpp_extension import load_inline
-                if shutil.which("ninja") is None:   # a venv's python run without activating the venv
-                    import ninja
-                    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
                 print("[kernel] loading the paged attention kernel (the first time it is compiled: ~20 s)",
                       flush=True)
-                _module = load_inline("minivllm_paged_attention_cpu", SOURCE.read_text(),
-                                      functions=["paged_decode_attention"],
-                                      extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+                _module = compile_kernel()
             except Exception as exc:   # no compiler, no ninja, no headers: the copy + SDPA path stays
                 first_line = (str(exc).strip().splitlines() or [""])[0]
                 _failure = f"{type(exc).__name__}: {first_line[:160]}"
                 print(f"[kernel] paged attention kernel unavailable, decode attention copies its blocks "
                       f"instead ({_failure})", flush=True)
     return _module
+
+
+def _built():
+    module = _build()
+    if module is None:
+        raise RuntimeError(f"the paged attention kernel is unavailable: {_failure}")
+    return module
 
 
 def available(pool_k: torch.Tensor) -> bool:
@@ -60,9 +81,12 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """q [seqs, heads, head_dim] against pools [slots, kv_heads, head_dim] through block_tables
     [seqs, width]; context_lens [seqs] positions each. Returns [seqs, heads * head_dim], the
     same as minivllm.compile.paged_decode_attention (its plain-torch form)."""
-    module = _build()
-    if module is None:
-        raise RuntimeError(f"the paged attention kernel is unavailable: {_failure}")
-    out = module.paged_decode_attention(q.float(), k_pool, v_pool, block_tables.long(), context_lens.long(),
+    out = _built().paged_decode_attention(q.float(), k_pool, v_pool, block_tables.long(), context_lens.long(),
                                         int(block_size))
     return out.view(q.shape[0], -1)
+
+
+def parallel_threads() -> int:
+    """How many threads the kernel's parallel loop runs on now (torch.get_num_threads(), when
+    the build has OpenMP as it should)."""
+    return _built().parallel_threads()

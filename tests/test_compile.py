@@ -79,6 +79,19 @@ def test_cpu_kernel_matches_plain_torch_on_ragged_rows_and_refuses_bad_tables():
         cpu_attention.paged_decode_attention(q, k_pool, v_pool, tables[:, :2].contiguous(), lens, block_size)
 
 
+def test_cpu_kernel_splits_its_work_over_torchs_threads():
+    """Built without OpenMP, at::parallel_for would quietly run every loop on one thread."""
+    from minivllm import cpu_attention
+    assert cpu_attention.available(torch.zeros(1, 1, 1)), "the kernel could not be built here"
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert cpu_attention.parallel_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_without_the_kernel_auto_falls_back_to_the_copy(tiny_model_dir, monkeypatch):
     from minivllm import cpu_attention
     eager = model10.LlamaModel.from_folder(tiny_model_dir)
