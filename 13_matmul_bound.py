@@ -13,6 +13,7 @@ machine's matmul peak measured as in Chapter 4 (08_roofline.py).
     python 13_matmul_bound.py                       # the 32-request mixed workload, all at once
     python 13_matmul_bound.py --requests 8          # a quicker look: 8 requests, budgets cut to 8/32
     python 13_matmul_bound.py --device cuda         # on a GPU (the default is the best device there is)
+    python 13_matmul_bound.py --compile             # Chapter 13's compiled engine, its packed matmuls
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ def main() -> None:
     parser.add_argument("--requests", type=cli.integer(1, 1000), default=32,
                         help="first N of the mixed workload (default 32); fewer also cuts every answer's "
                              "budget by N/32, or its 256-token answers would still take 258 steps")
+    parser.add_argument("--compile", action="store_true",
+                        help="the engine compiled (Chapter 13): the steps and their matmuls on packed weights")
     args = parser.parse_args()
     try:
-        engine = cb.ContinuousBatchingEngine(args.model, device=args.device)
+        engine = cb.ContinuousBatchingEngine(args.model, device=args.device, compile=args.compile)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     params = engine04.SamplingParams(ignore_eos=True)
@@ -107,7 +110,8 @@ def main() -> None:
     engine.close()
 
     where = thread_count() if engine.device.type == "cpu" else str(engine.device)
-    print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {where}\n")
+    compiled = ", compiled (packed weights)" if args.compile else ""
+    print(f"\n[Chapter 9] {len(shapes)} steps, {tokens} output tokens, on {where}{compiled}\n")
     print(f"  {'':<34}{'seconds':>9}{'tokens/s':>10}")
     print(f"  {'continuous batching, measured':<34}{wall:>9.1f}{tokens / wall:>10.1f}")
     print(f"  {'the same steps, matmuls alone':<34}{bound:>9.1f}{tokens / bound:>10.1f}")

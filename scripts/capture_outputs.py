@@ -161,6 +161,7 @@ CAPTURES = [
         " --engine 13_continuous_batching_engine:ContinuousBatchingEngine",
     ], timeout_s=3600),
     Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
+    Capture("17_compile_matmul_bound", ["python 13_matmul_bound.py --threads 2 --compile"], timeout_s=1800),
     # The assembled engine: the same traffic with its switches turned on one by one
     Capture("13_switches", [
         "python 13_continuous_batching_switches.py --threads 1 --plot book/assets/ch9-switches.png",
