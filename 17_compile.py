@@ -112,7 +112,6 @@ def print_glue_costs(rows: list[tuple]) -> None:
         print(f"  {label:<22}{tokens:>7}{fused:>10.1f}{eager:>10.1f}   {verdict}")
 
 
-# --8<-- [start:kernel-flags]
 def kernel_flags(config, rows: int = 32, context: int = 256, rounds: int = 7) -> list[tuple]:
     """The C++ attention kernel built three ways and timed on one layer's decode attention, `rows`
     rows of `context` cached tokens in shuffled blocks, the builds alternating, best of `rounds`:
@@ -136,7 +135,6 @@ def kernel_flags(config, rows: int = 32, context: int = 256, rounds: int = 7) ->
                 kernel.paged_decode_attention(q, k_pool, v_pool, tables, lens, bs)
             best[name] = min(best[name], (time.perf_counter() - start) / 10)
     return [(name, ms * 1e3) for name, ms in best.items()]
-# --8<-- [end:kernel-flags]
 
 
 def print_kernel_flags(timings: list[tuple], config, rows: int, context: int) -> None:
