@@ -226,6 +226,8 @@ CAPTURES = [
     Capture("17_compile_glue", ["python 17_compile.py --threads 2 --glue"], timeout_s=900),
     Capture("17_compile_kernel", ["python 17_compile.py --show-kernel"], timeout_s=600),
     Capture("17_compile_kernel_flags", ["python 17_compile.py --threads 2 --kernel"], timeout_s=600),
+    Capture("17_compile_apart_xeon", ["python 17_compile_demo.py --threads 1 --part apart --formats none "
+                                     "--batch-sizes 1 8"], timeout_s=600),
     Capture("17_verification_packed", ["python 17_compile_demo.py --threads 1 --part verification"], timeout_s=600),
     Capture("17_compile_demo", ["python 17_compile_demo.py --threads 1 --thread-counts 1 2 "
                                 "--plot book/assets/ch13-step.png"],
