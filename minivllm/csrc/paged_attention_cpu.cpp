@@ -95,6 +95,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   const float* vs = v_pool.data_ptr<float>();
   float* outs = out.data_ptr<float>();
 
+  // --8<-- [start:tasks]
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {   // torch's threads (OpenMP)
     std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) {
@@ -103,6 +104,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                    table + i * width, len[i], block_size, kv_heads, g, group, dim, scores, acc);
     }
   });
+  // --8<-- [end:tasks]
   return out;
 }
 
