@@ -41,13 +41,14 @@ import torch
 
 from kit import cli
 from minivllm import cpu_attention
+from minivllm.config import DEFAULT_BLOCK_SIZE
 from minivllm import threads as cpu_threads
 from minivllm.packed import PackedWeight, can_pack, packed_weights  # noqa: F401
 from minivllm.compile import (FUSED_GLUE_MIN_TOKENS, Compile, Compiled, CompiledModel,  # noqa: F401
                               add_rms_norm, compile_model, paged_decode_attention, rope_split, silu_mul)
 from minivllm.kv_cache import KVPool
 from minivllm.llm import LLM
-from minivllm.model import LlamaModel
+from minivllm.model import LlamaModel, ModelConfig
 
 setup = importlib.import_module("01_setup")
 
@@ -121,7 +122,8 @@ def kernel_flags(config, rows: int = 32, context: int = 256, rounds: int = 7) ->
               "without -ffast-math": [f for f in cpu_attention.CFLAGS if f != "-ffast-math"],
               "without -fopenmp": [f.replace("-fopenmp", "-fopenmp-simd") for f in cpu_attention.CFLAGS]}
     kernels = {name: cpu_attention.compile_kernel(flags) for name, flags in builds.items()}
-    bs, width = 16, -(-context // 16)
+    bs = DEFAULT_BLOCK_SIZE
+    width = -(-context // bs)
     gen = torch.Generator().manual_seed(0)
     k_pool, v_pool = (torch.randn(rows * width * bs, config.num_kv_heads, config.head_dim, generator=gen)
                       for _ in range(2))
@@ -162,7 +164,7 @@ def main() -> None:
     engine04 = importlib.import_module("04_engine")
     folder = setup.resolve_model(args.model)
     if args.kernel:
-        config = LlamaModel.from_folder(folder).config
+        config = ModelConfig.from_folder(folder)   # the shapes only: no weights loaded
         print(f"[{cpu_threads.cpu_name()}]  float32, torch {torch.__version__}")
         rows, context = 32, 256
         print_kernel_flags(kernel_flags(config, rows, context), config, rows, context)

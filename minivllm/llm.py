@@ -20,7 +20,6 @@ where the chapters meet. Each option becomes an object handed to the part that u
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import torch
@@ -92,7 +91,7 @@ class LLM(LLMEngine):
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         folder = model_folder(model)
-        full = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
+        full = ModelConfig.from_folder(folder)
         # Chapter 15: on one GPU the pool takes what the weights leave, sized once they are in (with
         # several ranks, or a draft model's weights and pool still to come, the fixed default).
         sized_later = kv_memory is None and device.type == "cuda" and not tensor_parallel_size and not speculative

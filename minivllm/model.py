@@ -83,6 +83,11 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         )
 
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        """The config of a model folder, read from its config.json alone (no weights)."""
+        return cls.from_json(json.loads((Path(folder) / "config.json").read_text()))
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Chapter 3's formula (08_kv_cache_sizes.py): keys and values, every layer, every KV head."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -155,7 +160,7 @@ class LlamaModel:
         as we load. `part(name, config)` says which rows or columns of a tensor to read (a
         tensor-parallel rank's slice, Chapter 14), None for all of it: only that part is read."""
         folder = Path(folder)
-        config = ModelConfig.from_json(json.loads((folder / "config.json").read_text()))
+        config = ModelConfig.from_folder(folder)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{folder} has no .safetensors weights")
