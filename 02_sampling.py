@@ -71,7 +71,7 @@ def main() -> None:
     if not args.prompt:
         parser.error("--prompt must not be empty")
     try:
-        tokenizer, model = setup.load_model(args.model, device=torch.device("cpu"))
+        tokenizer, model = setup.load_hf_model(args.model, device=torch.device("cpu"))
     except ValueError as exc:
         parser.error(str(exc))
     logits = next_token_logits(tokenizer, model, args.prompt)

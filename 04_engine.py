@@ -47,7 +47,7 @@ class BaselineEngine(BaseOfflineEngine):
         self.device = model_files.pick_device(device)
         self.structured_output = structured_output   # Chapter 11's grammars, when whoever builds us passes them
         print(f"[engine] loading {self.model_name} on {self.device} ...", flush=True)
-        self.tokenizer, self.model = model_files.load_model(model_name, self.device, dtype)
+        self.tokenizer, self.model = model_files.load_hf_model(model_name, self.device, dtype)
         self.context_length = int(self.model.config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         print("[engine] ready", flush=True)

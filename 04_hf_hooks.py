@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="The three primary colours are")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     args = parser.parse_args()
-    tokenizer, model = setup.load_model(args.model, "cpu", torch.float32)
+    tokenizer, model = setup.load_hf_model(args.model, "cpu", torch.float32)
     params = SamplingParams(presence_penalty=1.5, logprobs=2)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     recorder = RawLogprobs(params.logprobs)

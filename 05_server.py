@@ -369,7 +369,7 @@ def main() -> None:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
-        server_ops.serve(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
+        server_ops.run_server(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server
         close = getattr(engine, "close", None)
         if close is not None:

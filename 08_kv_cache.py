@@ -224,7 +224,7 @@ def main() -> None:
         parser.error("--prompt must not be empty")
     try:
         device = setup.pick_device(args.device)
-        tokenizer, model = setup.load_model(args.model, device=device)
+        tokenizer, model = setup.load_hf_model(args.model, device=device)
     except ValueError as exc:
         parser.error(str(exc))
     prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)

@@ -162,7 +162,7 @@ def main() -> None:
     # --8<-- [start:check]
     per_token = print_formula(name, config, torch.float32)
     if not args.no_check:
-        tokenizer, model = setup.load_model(args.model, device=setup.pick_device(args.device))
+        tokenizer, model = setup.load_hf_model(args.model, device=setup.pick_device(args.device))
         ids = tokenizer("The KV cache grows by the same number of bytes with every token.",
                         return_tensors="pt").input_ids.to(model.device)
         held, tokens = measured_cache_bytes(filled_cache(model, ids))

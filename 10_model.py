@@ -71,7 +71,7 @@ def main() -> None:
     folder = setup.resolve_model(args.model)
     transformers.utils.logging.disable_progress_bar()   # HF's loading bar would cut into the output below
     try:
-        tokenizer, hf = setup.load_model(str(folder), "cpu", torch.float32)
+        tokenizer, hf = setup.load_hf_model(str(folder), "cpu", torch.float32)
         model = LlamaModel.from_folder(folder)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None

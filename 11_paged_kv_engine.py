@@ -18,7 +18,7 @@ import torch
 
 from minivllm.block_manager import BlockManager
 from minivllm.contracts import SamplingParams, is_integer
-from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, KVPool, describe
+from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, KVPool, describe_pool
 from minivllm.output import Request
 
 engine04 = importlib.import_module("04_engine")
@@ -42,7 +42,7 @@ class PagedEngine(engine10.ModelEngine):
         self.pool = KVPool.from_memory(m.config, kv_memory, block_size, m.dtype, m.device)
         self.runner.kv = self.pool                # the runner's storage is now blocks, for good
         self.blocks = self.block_manager(self.pool.num_blocks, block_size)
-        print(f"[engine] KV pool: {describe(self.pool)}", flush=True)
+        print(f"[engine] KV pool: {describe_pool(self.pool)}", flush=True)
         if hasattr(m, "warm_up"):   # compiled steps (Chapter 13): the kernels are built now, not mid-request
             print("[engine] compiling the step (torch.compile) ...", flush=True)
             print(f"[engine] compiled in {self.runner.warm_up():.0f} s", flush=True)

@@ -93,7 +93,7 @@ def main() -> None:
         for spec in specs:
             demo16.parse_mode(spec)                              # a typo fails before the model loads
         base = engine10.ModelEngine(args.model, device=args.device)
-        models = {quant16.describe(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
+        models = {quant16.format_name_of(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     mm, rest, step = {n: [] for n in models}, {n: [] for n in models}, {n: [] for n in models}

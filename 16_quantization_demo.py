@@ -263,7 +263,7 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     engines = {}
     for spec in specs:
-        engines[quant16.describe(*parse_mode(spec))] = variant(base, spec)
+        engines[quant16.format_name_of(*parse_mode(spec))] = variant(base, spec)
     hf = None if args.no_hf else engine04.BaselineEngine(args.model, device=args.device)
     tok = base.tokenizer
     anchors = {"HF generate (float32)": hf} if hf else {}

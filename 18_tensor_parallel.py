@@ -35,23 +35,13 @@ from kit import cli
 from minivllm.llm import LLM
 from minivllm.collectives import Collectives  # noqa: F401
 from minivllm.parallel import (GROUP_TIMEOUT, RowParallel, Shard, VocabShard,  # noqa: F401
-                               check_size, gather_stats, join, rank_device, serve, shard)
+                               check_size, gather_stats, join, rank_device, run_worker, serve_rank, shard)
 from minivllm.model_files import pick_device
 
 engine04 = importlib.import_module("04_engine")
 
 # The split (the sharded weights, read rank by rank, and a worker's life) lives in minivllm/parallel.py,
 # the collectives in minivllm/collectives.py.
-
-
-def serve_rank(rank: int, size: int, device: str | None) -> None:
-    """A worker started by torchrun (which passes rank, size and the rendezvous in the environment)."""
-    import torch.distributed as dist
-
-    device = rank_device(pick_device(device), rank)
-    join(rank, size, device, "env://")
-    serve(rank, size, device)
-    dist.destroy_process_group()
 
 
 def main() -> None:

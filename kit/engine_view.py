@@ -18,7 +18,7 @@ import time
 import anyio
 from fastapi import FastAPI, Query
 
-from minivllm.snapshot import describe, request_row  # noqa: F401  (the engine's side of the page)
+from minivllm.snapshot import scheduler_snapshot, request_row  # noqa: F401  (the engine's side of the page)
 
 SNAPSHOT_TTL_S = 0.25    # one snapshot serves every poll this long
 MAX_STEP = 2 ** 53       # the largest `since` accepted (JavaScript's exact integers)

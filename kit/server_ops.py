@@ -659,7 +659,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --8<-- [start:serve]
-def serve(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
+def run_server(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
     """uvicorn, with our access log instead of its own and a graceful shutdown on SIGTERM."""
     import uvicorn
 

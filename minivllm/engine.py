@@ -30,7 +30,7 @@ from minivllm.engine_loop import EngineLoop
 from minivllm.model_runner import ModelRunner
 from minivllm.output import OutputProcessor, Request
 from minivllm.scheduler import Scheduler
-from minivllm.snapshot import describe, request_row
+from minivllm.snapshot import scheduler_snapshot, request_row
 
 
 class LLMEngine(EngineLoop, BaseOfflineEngine):
@@ -180,5 +180,5 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
     def _describe(self) -> dict:
         """The scheduler's state as plain data (under the loop's lock, which also guards the
         requests handed over but not yet scheduled)."""
-        return describe(self.scheduler, self.blocks, list(self.finished), list(self.step_log),
+        return scheduler_snapshot(self.scheduler, self.blocks, list(self.finished), list(self.step_log),
                         self.num_steps, list(self._inbox), time.perf_counter())

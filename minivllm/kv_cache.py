@@ -33,7 +33,7 @@ def blocks_in(config: ModelConfig, kv_memory: int, block_size: int, dtype=torch.
     return kv_memory // per_block
 
 
-def describe(pool) -> str:
+def describe_pool(pool) -> str:
     """The pool as an engine announces it: whole blocks only, so a little under kv_memory."""
     mib = pool.nbytes / 2**20
     return (f"{pool.num_blocks} blocks x {pool.block_size} tokens = {pool.num_blocks * pool.block_size:,} "

@@ -31,7 +31,7 @@ from minivllm.contracts import GenerateResult, SamplingParams
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
 from minivllm.gpu_memory import kv_memory_left, step_headroom
-from minivllm.kv_cache import KVPool, blocks_in, describe
+from minivllm.kv_cache import KVPool, blocks_in, describe_pool
 from minivllm.model import ModelConfig
 from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device,
                                   pick_dtype)
@@ -133,7 +133,7 @@ class LLM(LLMEngine):
         m, pool = runner.model, runner.kv
         if m.format_name:
             print(f"[engine] weights: {m.format_name}, {m.weight_bytes / 1e6:.0f} MB", flush=True)
-        print(f"[engine] KV pool: {describe(pool)}", flush=True)
+        print(f"[engine] KV pool: {describe_pool(pool)}", flush=True)
         if self.config.compile:   # Chapter 13: the kernels are built now, not during the first request
             print("[engine] compiling the step (torch.compile) ...", flush=True)
             print(f"[engine] compiled in {runner.warm_up():.0f} s", flush=True)

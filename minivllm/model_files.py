@@ -179,7 +179,7 @@ def pick_device(requested: str | None = None):
     return torch.device("cpu")
 
 
-def load_model(name: str | None = None, device=None, dtype=None):
+def load_hf_model(name: str | None = None, device=None, dtype=None):
     """Load tokenizer and model once: on `device`, in `dtype` (float32 by default), in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

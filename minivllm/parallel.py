@@ -239,7 +239,7 @@ def gather_stats(model: LlamaModel, kv: KVPool, comm: Collectives) -> list[dict]
 
 
 # --8<-- [start:worker]
-def serve(rank: int, size: int, device: torch.device) -> None:
+def run_worker(rank: int, size: int, device: torch.device) -> None:
     """A worker's life: receive the setup (the model's folder and the features that follow the
     shard, a weight format or compiled steps), load its shard, then run each step rank 0 sends."""
     comm = Collectives(rank, size, device)
@@ -264,7 +264,7 @@ def serve_rank(rank: int, size: int, device: str | None) -> None:
     """A worker started by torchrun (which passes rank, size and the rendezvous in the environment)."""
     device = rank_device(pick_device(device), rank)
     join(rank, size, device, "env://")
-    serve(rank, size, device)
+    run_worker(rank, size, device)
     dist.destroy_process_group()
 
 

@@ -34,7 +34,7 @@ from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.collectives import Collectives
 from minivllm.engine_loop import EngineUnavailable
-from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, serve
+from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, run_worker
 
 # --8<-- [start:feature]
 class TensorParallel:
@@ -186,7 +186,7 @@ def worker_main(rank: int, size: int, init_method: str, device_type: str, parent
     device = rank_device(device_type, rank)
     try:
         join(rank, size, device, init_method)
-        serve(rank, size, device)
+        run_worker(rank, size, device)
     except Exception as exc:   # noqa: BLE001 - rank 0 gone or the group broken: say so in one line
         print(f"[rank {rank}] stopped: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
               file=sys.stderr, flush=True)

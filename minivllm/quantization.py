@@ -268,12 +268,12 @@ def quantize(model: LlamaModel, quant: str, group_size: int = 64, head: str = "a
         w["lm_head"] = w["embed"] if tied and embed == head else map_weights(
             model, lambda _, t: quantize_weight(t, head, group_size, path), {"lm_head"})["lm_head"]
     quantized = model.with_weights(w)
-    quantized.format_name = describe(quant, group_size, head)
+    quantized.format_name = format_name_of(quant, group_size, head)
     return quantized
 # --8<-- [end:model]
 
 
-def describe(quant: str, group_size: int, head: str = "auto") -> str:
+def format_name_of(quant: str, group_size: int, head: str = "auto") -> str:
     """'int4 g32, head int4': the layers' format, then the head's where it is not the default."""
     name = {"none": "float32"}.get(quant, quant) + (f" g{group_size}" if quant == "int4" else "")
     if head_format(quant, head) != head_format(quant, "auto"):
@@ -289,7 +289,7 @@ class WeightFormat:
     def __init__(self, quant: str, group_size: int = 32, head: str = "auto", path: str = "fast"):
         check_settings(quant, group_size, head)
         self.quant, self.group_size, self.head, self.path = quant, group_size, head, path
-        self.name = describe(quant, group_size, head)
+        self.name = format_name_of(quant, group_size, head)
 
     def __call__(self, model: LlamaModel) -> LlamaModel:
         return quantize(model, self.quant, self.group_size, self.head, self.path)

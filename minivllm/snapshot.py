@@ -2,7 +2,7 @@
 
 What the classroom page draws (the server serves it; the engine only describes itself): each
 request's state, TTFT and tokens, each KV block's owner and reference count, the recent steps.
-The engine calls `describe` between two steps, so nothing changes while it is read.
+The engine calls `scheduler_snapshot` between two steps, so nothing changes while it is read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ FINISHED_KEEP_S = 5.0    # a finished request stays on the page this long
 RATE_WINDOW_S = 5.0      # steps/s and tokens/s over the last seconds
 
 
-# --8<-- [start:describe]
+# --8<-- [start:snapshot]
 def request_row(r, state: str, now: float) -> dict:
     """One request as a row of the page: where it stands, its TTFT and its tokens so far."""
     return {"id": r.id, "state": state, "prompt_tokens": r.n_prompt, "tokens": len(r.new_ids),
@@ -28,7 +28,7 @@ def running_state(r) -> str:
     return "prefill" if r.num_tokens - r.num_computed > 1 else "decode"
 
 
-def describe(scheduler, blocks, finished, step_log, num_steps: int, arriving: list, now: float,
+def scheduler_snapshot(scheduler, blocks, finished, step_log, num_steps: int, arriving: list, now: float,
              max_rows: int = MAX_ROWS, max_blocks: int = MAX_BLOCKS) -> dict:
     """The scheduler's queues as rows (running, then waiting, then recently finished), the pool as
     one owner and one reference count per block, and the recent steps. `arriving`: requests handed
@@ -59,4 +59,4 @@ def describe(scheduler, blocks, finished, step_log, num_steps: int, arriving: li
         "steps_per_s": round(len(recent) / RATE_WINDOW_S, 2),
         "tokens_per_s": round(sum(s[3] for s in recent) / RATE_WINDOW_S, 2),
         "window_s": RATE_WINDOW_S}
-# --8<-- [end:describe]
+# --8<-- [end:snapshot]

@@ -15,7 +15,7 @@ setup = load_script("01_setup")
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    tokenizer, model = setup.load_model(str(tiny_model_dir), device=torch.device("cpu"))
+    tokenizer, model = setup.load_hf_model(str(tiny_model_dir), device=torch.device("cpu"))
     prompt_ids = tokenizer("The KV cache keeps keys and values", return_tensors="pt").input_ids
     return tokenizer, model, prompt_ids
 
@@ -52,7 +52,7 @@ def test_formula_scales_with_dtype_and_heads(tiny):
 
 def test_measured_bytes_follow_the_cache_dtype(tiny_model_dir, tiny):
     _, _, prompt_ids = tiny
-    _, half = setup.load_model(str(tiny_model_dir), device=torch.device("cpu"), dtype=torch.bfloat16)
+    _, half = setup.load_hf_model(str(tiny_model_dir), device=torch.device("cpu"), dtype=torch.bfloat16)
     cached, _ = decode(half, prompt_ids, steps=3)
     held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
     assert held == sizes.kv_bytes_per_token(half.config, torch.bfloat16) * tokens_cached

@@ -124,8 +124,8 @@ def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model
     assert default.w["lm_head"] is default.w["embed"] and isinstance(default.w["embed"], quant16.Int8Weight)
     assert isinstance(packed.w["lm_head"], quant16.Int4Weight) and isinstance(packed.w["embed"], quant16.Int8Weight)
     assert packed.weight_bytes == default.weight_bytes + packed.w["lm_head"].nbytes
-    assert quant16.describe("int4", 32, "int4") == "int4 g32, head int4"
-    assert quant16.describe("int4", 32, "int8") == quant16.describe("int4", 32) == "int4 g32"
+    assert quant16.format_name_of("int4", 32, "int4") == "int4 g32, head int4"
+    assert quant16.format_name_of("int4", 32, "int8") == quant16.format_name_of("int4", 32) == "int4 g32"
     ids = list(range(100, 140))
     batch = model10.RaggedBatch.build([ids], [0], [0], len(ids))
     logits = [m.forward(batch, m.new_cache(1, len(ids)), all_logits=True) for m in (default, packed)]
@@ -162,7 +162,7 @@ def test_weight_format_is_a_step_from_model_to_model(tiny_model_dir, tmp_path):
     base = model10.LlamaModel.from_folder(tiny_model_dir)
     to_int4 = quant16.WeightFormat("int4", 64, "int8")
     model = to_int4(base)
-    assert type(model) is model10.LlamaModel and model.format_name == quant16.describe("int4", 64, "int8")
+    assert type(model) is model10.LlamaModel and model.format_name == quant16.format_name_of("int4", 64, "int8")
     qkv = model.w["model.layers.0.qkv"]
     assert isinstance(qkv, quant16.Int4Weight) and qkv.group_size == 64
     assert isinstance(model.w["embed"], quant16.Int8Weight) and isinstance(base.w["model.layers.0.qkv"], torch.Tensor)
@@ -244,7 +244,7 @@ def test_continuous_batching_on_quantised_weights_equals_the_quantised_engine(
     engine.on_step = lambda work, events: chunks.extend(
         0 < s < r.n_prompt for r, s in zip(work.requests, work.starts))
     try:
-        assert engine.quant == quantized_reference.engines[quant].quant == quant16.describe(quant, 32)
+        assert engine.quant == quantized_reference.engines[quant].quant == quant16.format_name_of(quant, 32)
         assert engine.features()["quant"] == engine.quant and engine.prefix_caching is prefix_caching
         for prompts in (tuple(reference_prompts), tuple(SHARED_SYSTEM + p for p in reference_prompts)):
             runs = [engine.generate_batch(list(prompts), N_QUANT) for _ in range(2 if prefix_caching else 1)]
