@@ -13,9 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from minivllm.config import (DEFAULT_GPU_MEMORY_UTILIZATION, GROUP_SIZES, MAX_BLOCK_SIZE, MAX_SEQS,  # noqa: F401
-                             MAX_SPECULATIVE_TOKENS, MAX_TENSOR_PARALLEL, QUANT_FORMATS, QUANT_HEADS,
-                             SPECULATIVE_METHODS, EngineConfig)
+from minivllm.config import MAX_KV_MEMORY, EngineConfig, Option
 from minivllm.model_files import DTYPE_NAMES
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
@@ -114,7 +112,7 @@ def parse_bytes(text: str) -> int:
     if not m:
         raise ValueError(f"not a memory size: {text!r} (try 512MB or 2GB)")
     value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
-    if not 1 <= value <= 1 << 40:
+    if not 1 <= value <= MAX_KV_MEMORY:
         raise ValueError(f"memory size {text!r} is out of range (1 byte .. 1 TiB)")
     return int(value)
 
@@ -140,9 +138,23 @@ def byte_size(text: str) -> int:
 
 # --8<-- [start:engine-options]
 # Every feature of the assembled engine is one keyword of its constructor, and the same name
-# as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...). The names,
-# choices and bounds are the engine's own (minivllm/config.py): written once, read here.
+# as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...). Each flag is
+# made from the option's row in minivllm/config.py: its type, bounds, choices and help, written once.
 ENGINE_OPTIONS = (*EngineConfig.names(), "dtype")   # dtype: every engine's, from Chapter 1 on
+
+
+def flag_for(name: str, default, row: Option) -> tuple[str, dict]:
+    """The argparse flag of one option. Its default is None (the flag is then not passed at all,
+    so each engine keeps its own); the help says what the assembled engine's default is."""
+    if row.kind == "int":
+        spec = {"type": integer(row.low, row.high)}
+    elif row.kind == "choice":   # group sizes are numbers: typed, so that "32" is the choice 32
+        spec = {"choices": row.choices, **({"type": integer()} if isinstance(row.choices[0], int) else {})}
+    else:
+        spec = {"bytes": {"type": byte_size}, "fraction": {"type": fraction}, "text": {},
+                "flag": {"action": "store_true"}, "switch": {"action": "store_true"}}[row.kind]
+    shown = "" if default is None or row.kind in ("flag", "switch") else f"; default {default}"
+    return "--" + name.replace("_", "-"), {**spec, "default": None, "help": f"{row.help} (Chapter {row.chapter}{shown})"}
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -153,42 +165,9 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    only)
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="the weights' and activations' precision (default auto: bfloat16 on a GPU, float32 elsewhere)")
-    g.add_argument("--quant", choices=QUANT_FORMATS, default=None,
-                   help="weight format (Chapter 12); default: the model's float32")
-    g.add_argument("--group-size", type=integer(), choices=GROUP_SIZES, default=None,
-                   help="int4: inputs per scale and zero point (default 32)")
-    g.add_argument("--quant-head", choices=QUANT_HEADS, default=None,
-                   help="format of the embedding/LM head (default auto: the layers', int8 for int4)")
-    g.add_argument("--prefix-caching", action="store_true", default=None,
-                   help="share the KV blocks of prompt prefixes seen before (Chapter 8), among all clients "
-                        "unless their requests carry different cache_salt")
-    g.add_argument("--kv-memory", type=byte_size, default=None,
-                   help="KV pool size, e.g. 512MB; MB means MiB, 2**20 bytes (Chapter 7); default 512MB, "
-                        "on one GPU what --gpu-memory-utilization leaves after the weights (Chapter 15)")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=None,
-                   help="the fraction of the GPU's memory the engine may use, weights, KV pool and a step's "
-                        "activations together, when --kv-memory is not given "
-                        f"(Chapter 15; default {DEFAULT_GPU_MEMORY_UTILIZATION})")
-    g.add_argument("--block-size", type=integer(1, MAX_BLOCK_SIZE), default=None, help="tokens per KV block (Chapter 7)")
-    g.add_argument("--max-num-seqs", type=integer(1, MAX_SEQS), default=None,
-                   help="sequences in one step, at most (Chapter 9)")
-    g.add_argument("--max-num-batched-tokens", type=integer(1, MAX_SEQS), default=None,
-                   help="tokens in one step, at most (Chapter 9)")
-    g.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
-                   help="guess tokens and verify them in one step (Chapter 10): ngram = prompt lookup, "
-                        "draft = a draft model")
-    g.add_argument("--num-speculative-tokens", type=integer(1, MAX_SPECULATIVE_TOKENS), default=None,
-                   help="guesses per verification, at most (default 4)")
-    g.add_argument("--draft-model", default=None,
-                   help="the draft model, same tokenizer (default: this model on int4 weights)")
-    g.add_argument("--tensor-parallel-size", type=integer(1, MAX_TENSOR_PARALLEL), default=None,
-                   help="split the model over N processes: gloo on CPU, NCCL on N GPUs (Chapter 14)")
-    g.add_argument("--compile", action="store_true", default=None,
-                   help="packed weights and fused ops via torch.compile (Chapter 13); "
-                        "the first start compiles for a minute or two, later ones read inductor's cache")
-    g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="no CUDA graphs: every decode step launches its kernels one by one (Chapter 15); "
-                        "default: graphs on CUDA, eager elsewhere")
+    for name, (default, row) in EngineConfig.table().items():
+        flag, spec = flag_for(name, default, row)
+        g.add_argument(flag, **spec)
 
 
 class _OnlyGroup:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kit import structured_api
 from minivllm import text
+from minivllm.contracts import REQUEST_FIELDS
 from minivllm.engine_loop import EngineUnavailable
 from minivllm.structured import StructuredOutput
 
@@ -106,9 +107,7 @@ UNSUPPORTED = {
     "structured_outputs": None, "logits_processors": None, "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": None, "chat_template_kwargs": None,
 }
-# Chat-only fields sent to /v1/completions, and message fields the chat template has no place for.
-NOT_FOR_COMPLETIONS = {"max_completion_tokens": None, "top_logprobs": None, "messages": None,
-                       "tools": None, "tool_choice": None}
+# Message fields the chat template has no place for.
 MESSAGE_UNSUPPORTED = {"name": None, "function_call": None, "audio": None}
 
 
@@ -169,31 +168,46 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+def field_for(name: str, nullable: bool = False):
+    """A pydantic Field with the bounds SamplingParams gives its field `name` (minivllm/contracts.py's
+    REQUEST_FIELDS), so the server refuses exactly what the library would. nullable: the default is
+    null, which means off, where SamplingParams' default is a number."""
+    spec = REQUEST_FIELDS[name]
+    bounds = {}
+    if spec.low is not None:
+        bounds["gt" if spec.low_open else "ge"] = spec.low
+    if spec.high is not None:
+        bounds["lt" if spec.high_open else "le"] = spec.high
+    if spec.max_chars is not None and spec.max_items is None:   # one string; a list's are SamplingParams' to check
+        bounds.update(min_length=1, max_length=spec.max_chars)
+    return Field(None if nullable else spec.default, description=spec.help, **bounds)
+
+
 class SamplingFields(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # extras checked below
     model: str | None = None                  # omitted, or the served model's id
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)   # 0 = greedy (OpenAI: 0 to 2, default 1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)               # vLLM extension; 0 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = field_for("max_tokens")
+    temperature: float = field_for("temperature")   # 0 = greedy (OpenAI's default is 1)
+    top_p: float = field_for("top_p")
+    top_k: int = field_for("top_k")           # vLLM extension; 0 = off
+    seed: int | None = field_for("seed")
+    stop: str | list[str] | None = None       # its sizes are SamplingParams' to check
     n: int = Field(1, ge=1, le=1)             # one choice per prompt: no parallel sampling here
     ignore_eos: bool = False                  # vLLM extension, for benchmarks
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Adjustments to the logits (null means off); SamplingParams checks what JSON cannot.
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, ge=0.01, le=2.0)  # vLLM extension; 1 = off
-    logit_bias: dict[str, float] | None = None   # JSON keys are strings: token id -> -100..100
+    presence_penalty: float | None = field_for("presence_penalty", nullable=True)
+    frequency_penalty: float | None = field_for("frequency_penalty", nullable=True)
+    repetition_penalty: float | None = field_for("repetition_penalty", nullable=True)  # vLLM extension; 1 = off
+    logit_bias: dict[str, float] | None = None   # JSON keys are strings: token id -> added to its logit
     response_format: ResponseFormat | None = None  # Chapter 11: JSON, or JSON matching a schema
     guided_json: dict | str | None = None     # vLLM's extensions: the same, and a regex, a list, a grammar
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     # vLLM's field: prefix-cache blocks are shared only among requests with the same salt (Chapter 8)
-    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: str | None = field_for("cache_salt")
 
     def token_limit(self) -> tuple[int | None, str]:
         """The requested number of new tokens, and the field that asked for it."""
@@ -212,9 +226,9 @@ def _at_most(limit: int, what: str):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     _few_messages = _at_most(MAX_MESSAGES, "messages")
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = field_for("max_tokens")   # OpenAI's newer name for max_tokens
     logprobs: bool | None = None              # the chosen tokens' log-probabilities ...
-    top_logprobs: int | None = Field(None, ge=0, le=20)   # ... and this many alternatives each
+    top_logprobs: int | None = field_for("logprobs")   # ... and this many alternatives each
     tools: Annotated[list[Tool], Field(max_length=32)] | None = None   # functions the reply may call
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
@@ -231,7 +245,11 @@ class ChatRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]                   # a list is answered as one batch
     _few_prompts = _at_most(MAX_PROMPTS, "prompts")
-    logprobs: int | None = Field(None, ge=0, le=20)   # legacy form: the number of alternatives
+    logprobs: int | None = field_for("logprobs")   # legacy form: the number of alternatives
+
+
+# Chat-only fields sent to /v1/completions are refused, not ignored (null is "not sent").
+NOT_FOR_COMPLETIONS = dict.fromkeys(sorted(ChatRequest.model_fields.keys() - CompletionRequest.model_fields.keys()))
 # --8<-- [end:request-models]
 
 
@@ -284,6 +302,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if loc[:1] == ["prompt"] and err.get("type") in ("value_error", "string_type"):
             loc = loc[:1]   # not "prompt.str: ...": which branch of str | list[str] failed says nothing
         message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}"
+        spec = next((s for s in REQUEST_FIELDS.values() if loc in ([s.name], [s.openai])), None)
+        if spec is not None and err.get("type") in ("greater_than", "greater_than_equal", "less_than",
+                                                     "less_than_equal"):
+            message = spec.refusal(err["input"], loc[0])   # the library's words, under the request's name
         return await api_error(request, APIError(400, message, param=loc[0] if loc else None))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -330,7 +352,8 @@ def sampling_params(req: SamplingFields, params_class: type, cache_salt=lambda s
         raise APIError(400, "logit_bias keys must be token ids written as plain decimal integers",
                        param="logit_bias")
     bias = {int(token): value for token, value in (req.logit_bias or {}).items()}
-    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    adjustments = {k: v for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                   if (v := getattr(req, k)) is not None}   # null: SamplingParams' default, which is off
     try:
         structured, field = structured_api.requested_constraint(req)
     except structured_api.FieldError as exc:
@@ -339,7 +362,7 @@ def sampling_params(req: SamplingFields, params_class: type, cache_salt=lambda s
         params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
                               logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=cache_salt(req.cache_salt),
-                              **{k: v if (v := getattr(req, k)) is not None else default for k, default in off.items()})
+                              **adjustments)
         if params.structured is not None:   # does it parse? asked now, whatever engine serves it
             StructuredOutput().check(params.structured)
         return params

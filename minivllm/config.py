@@ -1,97 +1,161 @@
-"""Every option of the assembled engine, its default and its bounds, in one place.
+"""Every option of the assembled engine, once: its name, type, default, bounds, help, the chapter
+that adds it and vLLM's name for it.
 
-Each chapter adds a feature; each feature is one keyword of `LLM(...)` and the flag of the
-same name on the server and both benchmarks (`--kv-memory` is `kv_memory=`). This module is
-data and checks only (it imports no feature), so every chapter may read it, and `kit/cli.py`
-builds its flags from the same table: a bound written once cannot drift between the two.
+Each chapter adds a feature; each feature is one field of `EngineConfig` below, one keyword of
+`LLM(...)` and the flag of the same name on the server and both benchmarks (`--kv-memory` is
+`kv_memory=`). The field's metadata is the table: `EngineConfig.__post_init__` checks every value
+against it, `kit/cli.py` builds every flag from it (its type, bounds, choices and help), and a test
+holds `LLM`'s signature to it. This module is data and checks only (it imports no feature), so
+every chapter may read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields
 
-# --8<-- [start:options]
-QUANT_FORMATS = ("bf16", "int8", "w8a8", "int4")                        # Chapter 12
+# --8<-- [start:constants]
+QUANT_FORMATS = ("bf16", "fp16", "int8", "w8a8", "int4")        # Chapter 12: every format the package has
 GROUP_SIZES = (32, 64, 128, 256)                                # int4: what torch's kernels accept
-QUANT_HEADS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
+HEAD_FORMATS = ("auto", "f32", "bf16", "fp16", "int8", "int4")  # the embedding / LM head's format
 SPECULATIVE_METHODS = ("ngram", "draft")                        # Chapter 10
 MAX_SPECULATIVE_TOKENS = 16
 MAX_SEQS = 65536                                                # Chapter 9: sequences, and tokens, in one step
 MAX_BLOCK_SIZE = 1024                                           # Chapter 7: tokens per KV block
+MAX_KV_MEMORY = 1 << 40                                         # 1 TiB: a typo, not a machine
 MAX_TENSOR_PARALLEL = 64                                        # Chapter 14: processes
 DEFAULT_KV_MEMORY = 512 << 20                                   # 728 blocks of 16: 11,648 tokens of the default model
 DEFAULT_BLOCK_SIZE = 16                                         # vLLM's default
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9                            # Chapter 15: vLLM's default fraction of a GPU
+# --8<-- [end:constants]
 
 
+# --8<-- [start:option]
 @dataclass(frozen=True)
+class Option:
+    """One row of the table. kind: 'int', 'bytes' (an int, written 512MB on the command line),
+    'fraction' (a number in (0, 1]), 'flag' (True or False), 'switch' (True, False or None: the
+    engine decides), 'choice' or 'text'. low/high bound an int; choices, a choice; none: None is
+    allowed (it means "the engine's own default", said in help)."""
+
+    kind: str
+    help: str
+    chapter: int
+    low: int | None = None
+    high: int | None = None
+    choices: tuple = ()
+    none: bool = False
+    vllm: str | None = None          # vLLM's spelling, where it differs (or None: the same name)
+
+    def check(self, name: str, value) -> None:
+        """ValueError naming the option and what it accepts, unless value fits."""
+        if value is None and (self.none or self.kind == "switch"):
+            return
+        if self.kind in ("int", "bytes"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high
+            accepts = f"an integer in [{self.low}, {self.high}]"
+        elif self.kind == "fraction":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                and 0 < value <= 1
+            accepts = "a number in (0, 1]"
+        elif self.kind in ("flag", "switch"):
+            ok, accepts = isinstance(value, bool), "True or False" + (" or None" if self.kind == "switch" else "")
+        elif self.kind == "choice":
+            ok, accepts = value in self.choices, "one of " + ", ".join(map(str, self.choices))
+        else:
+            ok, accepts = isinstance(value, str) and value != "", "a non-empty string"
+        if not ok:
+            raise ValueError(f"{name} must be {accepts}{' (or None)' if self.none else ''}, got {value!r}")
+
+
+def option(default, kind: str, help: str, chapter: int, **row):
+    """A field of EngineConfig with its row of the table."""
+    return field(default=default, metadata={"option": Option(kind, help, chapter, **row)})
+# --8<-- [end:option]
+
+
+# --8<-- [start:options]
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The assembled engine's options, checked at construction: a bad one is a ValueError before
-    any weights load, with the option's name and its bounds."""
+    any weights load, with the option's name and its bounds. Built by keyword only."""
 
-    kv_memory: int | None = None                # bytes of KV pool (Chapter 7); None: DEFAULT_KV_MEMORY,
-                                                # on one GPU what gpu_memory_utilization leaves (Chapter 15)
-    block_size: int = DEFAULT_BLOCK_SIZE        # tokens per block (Chapter 7)
-    prefix_caching: bool = False                # share the blocks of prompt prefixes seen before (Chapter 8)
-    max_num_seqs: int = 32                      # sequences in one step, at most (Chapter 9)
-    max_num_batched_tokens: int = 256           # tokens in one step, at most: the prefill chunk (Chapter 9)
-    speculative: str | None = None              # "ngram" or "draft" (Chapter 10)
-    num_speculative_tokens: int = 4
-    draft_model: str | None = None              # default: this model on int4 weights
-    quant: str | None = None                    # None (the model's own), "bf16", "int8", "w8a8", "int4" (Chapter 12)
-    group_size: int = 32
-    quant_head: str = "auto"
-    compile: bool = False                       # packed weights, fused ops (Chapter 13)
-    tensor_parallel_size: int | None = None     # N processes (Chapter 14); None: one process, no group
-    enforce_eager: bool | None = None           # True: no CUDA graphs; False: graphs (on the CPU, their
-                                                # padded path, run eagerly); None: graphs on CUDA (Chapter 15)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION   # the share of a GPU it may use (Ch. 15)
+    kv_memory: int | None = option(
+        None, "bytes", "KV pool size in bytes (MB means MiB on the command line); default 512MB, on one GPU "
+        "what gpu_memory_utilization leaves after the weights (Chapter 15)", 7,
+        low=1, high=MAX_KV_MEMORY, none=True, vllm="kv_cache_memory_bytes")
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "int", "tokens per KV block", 7, low=1, high=MAX_BLOCK_SIZE)
+    prefix_caching: bool = option(
+        False, "flag", "share the KV blocks of prompt prefixes seen before, among all clients unless their "
+        "requests carry different cache_salt", 8, vllm="enable_prefix_caching")
+    max_num_seqs: int = option(32, "int", "sequences in one step, at most", 9, low=1, high=MAX_SEQS)
+    max_num_batched_tokens: int = option(
+        256, "int", "tokens in one step, at most: the prefill chunk", 9, low=1, high=MAX_SEQS)
+    speculative: str | None = option(
+        None, "choice", "guess tokens and verify them in one step: ngram = prompt lookup, draft = a draft model",
+        10, choices=SPECULATIVE_METHODS, none=True, vllm="speculative_config.method")
+    num_speculative_tokens: int = option(
+        4, "int", "guesses per verification, at most", 10, low=1, high=MAX_SPECULATIVE_TOKENS,
+        vllm="speculative_config.num_speculative_tokens")
+    draft_model: str | None = option(
+        None, "text", "the draft model, same tokenizer (default: this model on int4 weights)", 10, none=True,
+        vllm="speculative_config.model")
+    quant: str | None = option(
+        None, "choice", "weight format (default: the model's own float weights)", 12, choices=QUANT_FORMATS,
+        none=True, vllm="quantization")
+    group_size: int = option(32, "choice", "int4: inputs per scale and zero point", 12, choices=GROUP_SIZES)
+    quant_head: str = option(
+        "auto", "choice", "format of the embedding/LM head (auto: the layers', int8 for int4)", 12,
+        choices=HEAD_FORMATS)
+    compile: bool = option(
+        False, "flag", "packed weights and fused ops via torch.compile; the first start compiles for a minute "
+        "or two, later ones read inductor's cache", 13, vllm="compilation_config")
+    tensor_parallel_size: int | None = option(
+        None, "int", "split the model over N processes: gloo on CPU, NCCL on N GPUs (default: one process, "
+        "no group)", 14, low=1, high=MAX_TENSOR_PARALLEL, none=True)
+    enforce_eager: bool | None = option(
+        None, "switch", "no CUDA graphs: every decode step launches its kernels one by one (default: graphs "
+        "on CUDA, eager elsewhere; False asks for the graphs' padded path on the CPU too)", 15)
+    gpu_memory_utilization: float = option(
+        DEFAULT_GPU_MEMORY_UTILIZATION, "fraction", "the share of the GPU's memory the engine may use, weights, "
+        "KV pool and a step's activations together, when kv_memory is not given", 15)
 
     def __post_init__(self) -> None:
-        def integer(name: str, low: int, high: int | None = None) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or \
-                    (high is not None and value > high):
-                bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"{name} must be an integer {'in ' if high else ''}{bounds}, got {value!r}")
-
-        def choice(name: str, options: tuple, none: bool = False) -> None:
-            value = getattr(self, name)
-            if not (value is None and none) and value not in options:
-                raise ValueError(f"{name} must be one of {', '.join(map(str, options))}"
-                                 f"{' (or None)' if none else ''}, got {value!r}")
-
-        if self.kv_memory is not None:
-            integer("kv_memory", 1)
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        integer("block_size", 1, MAX_BLOCK_SIZE)
-        integer("max_num_seqs", 1, MAX_SEQS)
-        integer("max_num_batched_tokens", 1, MAX_SEQS)
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs}): every running sequence needs a token each step")
-        for name in ("prefix_caching", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        choice("speculative", SPECULATIVE_METHODS, none=True)
-        integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        for f in fields(self):
+            f.metadata["option"].check(f.name, getattr(self, f.name))
+        check_budgets(self.max_num_seqs, self.max_num_batched_tokens)
         if self.draft_model is not None and self.speculative != "draft":
             raise ValueError("draft_model needs speculative='draft'")
-        choice("quant", QUANT_FORMATS, none=True)
-        choice("group_size", GROUP_SIZES)
-        choice("quant_head", QUANT_HEADS)
-        if self.tensor_parallel_size is not None:
-            integer("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL)
-        if not isinstance(self.enforce_eager, (bool, type(None))):
-            raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
         eager_only = [name for name in ("compile", "speculative", "tensor_parallel_size") if getattr(self, name)]
         if self.enforce_eager is False and eager_only:
             raise ValueError(f"enforce_eager=False (CUDA graphs, Chapter 15) does not combine with "
                              f"{', '.join(eager_only)}: those steps run eagerly")
 
+    @property
+    def pool_bytes(self) -> int:
+        """The KV pool's size when it is fixed up front: the option, else the default."""
+        return self.kv_memory if self.kv_memory is not None else DEFAULT_KV_MEMORY
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def table(cls) -> dict[str, tuple[object, Option]]:
+        """name -> (default, its row): what the flags, the docs and the tests read."""
+        return {f.name: (f.default, f.metadata["option"]) for f in fields(cls)}
 # --8<-- [end:options]
+
+
+def check_option(name: str, value) -> None:
+    """One option against its row, for a part built on its own (a SpeculativeDecoding, a WeightFormat)."""
+    EngineConfig.table()[name][1].check(name, value)
+
+
+def check_budgets(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """A step's two limits, each against its row, then together (a scheduler asks this too)."""
+    check_option("max_num_seqs", max_num_seqs)
+    check_option("max_num_batched_tokens", max_num_batched_tokens)
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                         f"({max_num_seqs}): every running sequence needs a token each step")

@@ -7,7 +7,7 @@ where the chapters meet. Each option becomes an object handed to the part that u
     compile                         Compile, the step after it                  (Chapter 13)
     tensor_parallel_size            TensorParallel: a group of processes whose runner
                                     loads every rank with the steps above       (Chapter 14)
-    speculative, ...                SpeculativeDecoding, a speculator for the step (Chapter 10)
+    speculative, ...                SpeculativeDecoding: a runner that guesses and verifies (Chapter 10)
     prefix_caching                  the block manager that remembers            (Chapter 8)
     structured output               StructuredOutput, handed to the output processor (Chapter 11)
     enforce_eager                   CUDAGraphs, the model runner's decode steps (Chapter 15)
@@ -26,7 +26,7 @@ import torch
 
 from minivllm.block_manager import BlockManager
 from minivllm.compile import Compile
-from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_MEMORY, EngineConfig
+from minivllm.config import EngineConfig
 from minivllm.contracts import GenerateResult, SamplingParams
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
@@ -37,10 +37,11 @@ from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, 
                                   pick_dtype)
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor, Request
-from minivllm.parallel_workers import TensorParallel
+from minivllm.parallel_workers import TensorParallel, TensorParallelRunner
 from minivllm.prefix_cache import PrefixCachingBlockManager
 from minivllm.quantization import WeightFormat
-from minivllm.speculative import SpeculativeDecoding
+from minivllm.scheduler import Scheduler
+from minivllm.speculative import SpeculativeDecoding, Speculator
 from minivllm.structured import StructuredOutput
 from minivllm.text import chat_ids
 
@@ -69,65 +70,84 @@ def decode_graphs(config: EngineConfig, device: torch.device, max_model_len: int
 # --8<-- [end:features]
 
 
+DEFAULTS = EngineConfig()   # each keyword's default, read from its row of the table (minivllm/config.py)
+
+
 class LLM(LLMEngine):
     """Every chapter's feature, as keywords with the server's flag names (`--kv-memory` is
     `kv_memory=`). A BaseOfflineEngine: `generate`, `generate_batch`, plus `chat`, a context
-    manager, and `close()`, which stops everything it started (its loop, its worker processes)."""
+    manager, and `close()`, which stops everything it started (its loop, its worker processes).
+    Each option's meaning and bounds: `EngineConfig.table()`, or any script's `--help`."""
 
     # --8<-- [start:init]
     def __init__(self, model: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None,
-                 kv_memory: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefix_caching: bool = False,
-                 quant: str | None = None, group_size: int = 32, quant_head: str = "auto",
-                 speculative: str | None = None, num_speculative_tokens: int = 4, draft_model: str | None = None,
-                 tensor_parallel_size: int | None = None, compile: bool = False, structured_output=None,
-                 enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
-        config = EngineConfig(kv_memory, block_size, prefix_caching, max_num_seqs, max_num_batched_tokens,
-                              speculative, num_speculative_tokens, draft_model, quant, group_size, quant_head,
-                              compile, tensor_parallel_size, enforce_eager,
-                              gpu_memory_utilization)  # every option checked: nothing loaded yet
-        speculation = SpeculativeDecoding(speculative, num_speculative_tokens, draft_model) if speculative else None
+                 *, kv_memory: int | None = DEFAULTS.kv_memory, block_size: int = DEFAULTS.block_size,
+                 prefix_caching: bool = DEFAULTS.prefix_caching, max_num_seqs: int = DEFAULTS.max_num_seqs,
+                 max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
+                 speculative: str | None = DEFAULTS.speculative,
+                 num_speculative_tokens: int = DEFAULTS.num_speculative_tokens,
+                 draft_model: str | None = DEFAULTS.draft_model, quant: str | None = DEFAULTS.quant,
+                 group_size: int = DEFAULTS.group_size, quant_head: str = DEFAULTS.quant_head,
+                 compile: bool = DEFAULTS.compile, tensor_parallel_size: int | None = DEFAULTS.tensor_parallel_size,
+                 enforce_eager: bool | None = DEFAULTS.enforce_eager,
+                 gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization,
+                 structured_output: StructuredOutput | None = None):
+        self.config = EngineConfig(   # every option checked, by name: nothing loaded yet
+            kv_memory=kv_memory, block_size=block_size, prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens, draft_model=draft_model, quant=quant,
+            group_size=group_size, quant_head=quant_head, compile=compile,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization)
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
-        folder = model_folder(model)
-        full = ModelConfig.from_folder(folder)
-        # Chapter 15: on one GPU the pool takes what the weights leave, sized once they are in (with
-        # several ranks, or a draft model's weights and pool still to come, the fixed default).
-        sized_later = kv_memory is None and device.type == "cuda" and not tensor_parallel_size and not speculative
-        kv_memory = kv_memory or DEFAULT_KV_MEMORY
-        num_blocks = blocks_in(full, kv_memory, block_size, dtype)   # a pool without one block: refused unloaded
-        parallel = TensorParallel(tensor_parallel_size, folder, device) if tensor_parallel_size is not None else None
-        self.config, self.folder = config, folder
-        steps = weight_steps(config)
+        self.folder = model_folder(model)
         print(f"[engine] loading {model or DEFAULT_MODEL} into LlamaModel on {device} ...", flush=True)
-        tokenizer = load_tokenizer(folder)
-        if parallel:   # every rank loads its shard, then the same steps; rank 0 is this process
-            runner = parallel.start(folder, dtype, device, num_blocks, block_size, steps)
-        else:
-            weights = load_model(folder, dtype, device, steps)
-            if sized_later:
-                kv_memory = kv_memory_left(device, gpu_memory_utilization, step_headroom(
-                    full, max_num_batched_tokens, max_num_seqs, dtype))
-                num_blocks = blocks_in(full, kv_memory, block_size, dtype)
-            pool = KVPool(weights.config, num_blocks, block_size, weights.dtype, weights.device)
-            graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
-            runner = graphs.runner(weights, pool) if graphs else ModelRunner(weights, pool)
+        tokenizer = load_tokenizer(self.folder)
+        runner = self._runner(device, dtype)
         self._report(runner)
         # Chapter 15: a CUDA graph's padding rows write into the pool's last block, never handed out.
         usable = runner.kv.num_blocks - (1 if isinstance(runner, CUDAGraphRunner) else 0)
-        blocks = (PrefixCachingBlockManager if prefix_caching else BlockManager)(usable, block_size)
-        structured = StructuredOutput() if structured_output is None else structured_output
-        output = OutputProcessor(tokenizer, eos_token_ids(folder, tokenizer), runner.model.config.vocab_size,
-                                 device, structured)
-        speculator = speculation.build(runner.model, folder, kv_memory, block_size,
-                                       [] if draft_model else [WeightFormat("int4", 32)]) if speculation else None
-        super().__init__(model or DEFAULT_MODEL, tokenizer, output, runner, blocks, max_num_seqs,
-                         max_num_batched_tokens, speculator)
-        if parallel and runner.group:   # a worker that dies fails this engine's requests, then the process
-            runner.group.on_failure = self.fail
+        blocks = (PrefixCachingBlockManager if self.config.prefix_caching else BlockManager)(
+            usable, self.config.block_size)
+        scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        output = OutputProcessor(tokenizer, eos_token_ids(self.folder, tokenizer), runner.model.config.vocab_size,
+                                 device, StructuredOutput() if structured_output is None else structured_output)
+        if isinstance(runner, TensorParallelRunner) and runner.group:   # a dead worker fails this engine's
+            runner.group.on_failure = self.fail                             # requests, then the process
+        if self.config.speculative:            # Chapter 10: a runner that guesses, over the one just built
+            runner = SpeculativeDecoding(self.config.speculative, self.config.num_speculative_tokens,
+                                         self.config.draft_model).build(
+                runner, self.folder, self.config.pool_bytes, self.config.block_size,
+                [] if self.config.draft_model else [WeightFormat("int4", 32)])
+        LLMEngine.__init__(self, model or DEFAULT_MODEL, tokenizer, output, runner, scheduler)
         print("[engine] ready", flush=True)
+
+    def _runner(self, device: torch.device, dtype: torch.dtype) -> ModelRunner:
+        """The weights, loaded with the steps that change them, on a KV pool: one process's runner,
+        a tensor-parallel group's (Chapter 14) or one that replays CUDA graphs (Chapter 15)."""
+        config, full = self.config, ModelConfig.from_folder(self.folder)
+        # Chapter 15: on one GPU the pool takes what the weights leave, sized once they are in (with
+        # several ranks, or a draft model's weights and pool still to come, the fixed default).
+        sized_later = config.kv_memory is None and device.type == "cuda" and not config.tensor_parallel_size \
+            and not config.speculative
+        num_blocks = blocks_in(full, config.pool_bytes, config.block_size, dtype)   # no block: refused unloaded
+        if config.tensor_parallel_size is not None:   # every rank loads its shard, then the same steps
+            parallel = TensorParallel(config.tensor_parallel_size, self.folder, device)
+            return parallel.start(self.folder, dtype, device, num_blocks, config.block_size, weight_steps(config))
+        weights = load_model(self.folder, dtype, device, weight_steps(config))
+        if sized_later:
+            num_blocks = blocks_in(full, kv_memory_left(device, config.gpu_memory_utilization, step_headroom(
+                full, config.max_num_batched_tokens, config.max_num_seqs, dtype)), config.block_size, dtype)
+        pool = KVPool(weights.config, num_blocks, config.block_size, weights.dtype, weights.device)
+        graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
+        return graphs.runner(weights, pool) if graphs else ModelRunner(weights, pool)
     # --8<-- [end:init]
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """Chapter 10's runner, where speculation is on: its guesser, its k, its counts."""
+        return self.runner if isinstance(self.runner, Speculator) else None
 
     def _report(self, runner: ModelRunner) -> None:
         m, pool = runner.model, runner.kv
@@ -176,8 +196,7 @@ class LLM(LLMEngine):
     def close(self) -> None:
         """Stop the engine loop and every process it started; what is in flight fails. Idempotent."""
         super().close()
-        if hasattr(self.runner, "close"):
-            self.runner.close()
+        self.runner.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -82,3 +82,28 @@ class ModelRunner:
         warm_up = getattr(self.model, "warm_up", None)
         return warm_up(self.kv) if warm_up is not None else 0.0
 # --8<-- [end:runner]
+
+    # --8<-- [start:engine-side]
+    # What the engine's step asks of any runner. This one computes one token a request; Chapter
+    # 10's speculating runner (minivllm/speculative.py) answers the same four calls with guesses.
+    def propose(self, work, max_num_batched_tokens: int) -> None:
+        """Before the step: guesses to verify in it (`draft_ids`). A plain runner makes none."""
+
+    def run(self, requests: list[Request], starts: list[int], lengths: list[int],
+            places: list) -> list[list[int] | None]:
+        """The tokens each request gains this step: one, or None for a prefill's middle chunk."""
+        return [None if t is None else [t] for t in self.step(requests, starts, lengths, places)]
+
+    def settle(self, requests: list[Request]) -> None:
+        """After the output processor has taken the step's tokens. Nothing to count here."""
+
+    def release(self, request: Request) -> None:
+        """The request left the engine: nothing is held for it here."""
+
+    def features(self) -> dict:
+        """What this runner adds to the engine's description (the server's page, /metrics)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop whatever the runner started: here, nothing (a tensor-parallel group has processes)."""
+    # --8<-- [end:engine-side]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minivllm.collectives import Collectives
+from minivllm.config import check_option
 from minivllm.kv_cache import KVPool
 from minivllm.model import LlamaModel, ModelConfig
 from minivllm.weights import input_major, matmul, nbytes
@@ -42,8 +43,9 @@ def check_size(config: ModelConfig | None, size: int) -> None:
     the ranks divide them; when the ranks outnumber them, each KV head is copied to the
     size / num_kv_heads ranks whose query heads read it (vLLM does the same). Refused in one
     line otherwise, before any process starts."""
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
-        raise ValueError(f"tensor_parallel_size must be an integer in [1, 64], got {size!r}")
+    check_option("tensor_parallel_size", size)   # its row of the options table
+    if size is None:
+        raise ValueError("tensor_parallel_size must be an integer, got None")
     if config is None:
         return
 

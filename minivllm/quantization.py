@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.config import GROUP_SIZES, HEAD_FORMATS, QUANT_FORMATS
 from minivllm.model import LlamaModel
 from minivllm.weights import map_weights
 
-MODES = ("none", "bf16", "fp16", "int8", "w8a8", "int4")
-GROUP_SIZES = (32, 64, 128, 256)       # what torch's int4 kernels accept
+MODES = ("none", *QUANT_FORMATS)        # "none": the model's own weights, as the demo's baseline
 LINEAR_LAYERS = ("qkv", "o", "gate_up", "down")
-HEAD_FORMATS = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 KERNEL_DTYPE = torch.bfloat16           # the activations the packed kernels read and write
 
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from minivllm.block_manager import BlockManager
+from minivllm.config import check_budgets
 from minivllm.kv_cache import PoolFullError
 from minivllm.output import Request
 
@@ -48,22 +49,12 @@ class Scheduler:
     """Waiting and running queues over a BlockManager, under a token budget and a sequence cap."""
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256):
-        self.check_limits(max_num_seqs, max_num_batched_tokens)
+        check_budgets(max_num_seqs, max_num_batched_tokens)   # the options' own rows (minivllm/config.py)
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []            # in admission order: the newest is last
         self.num_preemptions = 0
-
-    @staticmethod
-    def check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        """ValueError unless both limits are sane (an engine asks before it loads a model)."""
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536:
-                raise ValueError(f"{name} must be an integer in [1, 65536], got {value!r}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}): every running sequence needs a token each step")
 
     def add(self, request: Request) -> None:
         if self.blocks.blocks_for(request.n_prompt + request.budget) > self.blocks.num_blocks:

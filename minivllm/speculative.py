@@ -18,15 +18,13 @@ import torch
 
 from minivllm import sampling
 from minivllm.block_manager import BlockManager
-from minivllm.contracts import is_integer
+from minivllm.config import SPECULATIVE_METHODS, check_option
 from minivllm.kv_cache import KVPool, PoolFullError
 from minivllm.model import LlamaModel
 from minivllm.model_files import resolve_model
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import Request, constrain, sample
 
-METHODS = ("ngram", "draft")
-MAX_SPECULATIVE_TOKENS = 16
 # Tokens one verification step may feed the model across all requests, guesses included. With a
 # few dozen rows a CPU's matmuls already wait on arithmetic, not memory (Chapter 4), so a guess
 # costs about what a token does: a busy step guesses less (16 decoding requests one guess each,
@@ -229,11 +227,13 @@ def accept_guesses(logits: torch.Tensor, r: Request, seed: int | None = None) ->
 
 
 # --8<-- [start:verify]
-class Speculator:
-    """Speculation composed onto a model runner: propose before the step, verify in it."""
+class Speculator(ModelRunner):
+    """Speculation composed onto a model runner, as a runner: it proposes before the step and
+    verifies in it, behind the calls the engine makes of every runner (propose, run, settle,
+    release), so the engine's step has no branch for it. The runner it wraps computes."""
 
-    def __init__(self, name: str, proposer, num_speculative_tokens: int):
-        self.name, self.proposer, self.k = name, proposer, num_speculative_tokens
+    def __init__(self, runner: ModelRunner, name: str, proposer, num_speculative_tokens: int):
+        self.runner, self.name, self.proposer, self.k = runner, name, proposer, num_speculative_tokens
         self.seeds: dict[int, int] = {}                    # request id -> seed of its draws
         self.kept: dict[int, tuple[int, int, int]] = {}    # id(request) -> (outputs before, guesses made, kept)
         self.misses: dict[int, int] = {}                   # request id -> verifications in a row that kept nothing
@@ -269,12 +269,12 @@ class Speculator:
         self.resting[r.id] -= 1
         return True
 
-    def step(self, runner, requests: list[Request], starts: list[int], lengths: list[int],
-             places: list) -> list[list[int] | None]:
+    def run(self, requests: list[Request], starts: list[int], lengths: list[int],
+            places: list) -> list[list[int] | None]:
         """prepare -> forward -> accept: the tokens each request keeps (None: a prefill chunk)."""
         ready = [s + n == r.num_tokens + len(r.draft_ids) for r, s, n in zip(requests, starts, lengths)]
         num_logits = [1 + len(r.draft_ids) if ok else 1 for r, ok in zip(requests, ready)]
-        logits = runner.forward(requests, starts, lengths, places, num_logits).split(num_logits)
+        logits = self.runner.forward(requests, starts, lengths, places, num_logits).split(num_logits)
         runs: list[list[int] | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids and r.params.is_greedy]
         for i, token in zip(plain, sample(torch.cat([logits[i] for i in plain]), [requests[i] for i in plain])
@@ -291,7 +291,7 @@ class Speculator:
                 r.draft_ids = []
         return runs
 
-    def count_kept(self, requests: list[Request]) -> None:
+    def settle(self, requests: list[Request]) -> None:
         """After the output processor: the kept guesses that reached the output. A stop string,
         EOS or the budget may end the request inside a run, and what follows is never emitted."""
         for r in requests:
@@ -307,7 +307,29 @@ class Speculator:
         for memory in (self.seeds, self.misses, self.resting):
             memory.pop(request.id, None)
         self.proposer.release(request)
+        self.runner.release(request)
 # --8<-- [end:verify]
+
+    # The rest is the wrapped runner's: its weights, its pool, its forward and its processes.
+    @property
+    def model(self) -> LlamaModel:
+        return self.runner.model
+
+    @property
+    def kv(self):
+        return self.runner.kv
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.runner.forward(*args, **kwargs)
+
+    def warm_up(self) -> float:
+        return self.runner.warm_up()
+
+    def features(self) -> dict:
+        return {**self.runner.features(), "speculative": self.name, "num_speculative_tokens": self.k}
+
+    def close(self) -> None:
+        self.runner.close()
 
 
 # --8<-- [start:options]
@@ -319,19 +341,21 @@ class SpeculativeDecoding:
     gets a KV pool of the size the engine was asked for."""
 
     def __init__(self, method: str, num_speculative_tokens: int = 4, draft_model: str | None = None):
-        if method not in METHODS:
-            raise ValueError(f"speculative must be one of {', '.join(METHODS)} (or None), got {method!r}")
-        if not is_integer(num_speculative_tokens) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"got {num_speculative_tokens!r}")
+        if method is None:
+            raise ValueError("speculative must be a method: " + ", ".join(SPECULATIVE_METHODS))
+        for name, value in (("speculative", method), ("num_speculative_tokens", num_speculative_tokens),
+                            ("draft_model", draft_model)):
+            check_option(name, value)     # each against its row of the options table
         if draft_model is not None and method != "draft":
             raise ValueError("draft_model needs speculative='draft'")
         self.method, self.k, self.draft_model = method, num_speculative_tokens, draft_model
 
-    def build(self, target: LlamaModel, folder: Path, kv_memory: int, block_size: int,
+    def build(self, runner: ModelRunner, folder: Path, kv_memory: int, block_size: int,
               draft_features: Sequence = ()) -> Speculator:
+        """The speculating runner over `runner` (the target's, already loaded)."""
         if self.method == "ngram":
-            return Speculator(self.method, NgramProposer(), self.k)
+            return Speculator(runner, self.method, NgramProposer(), self.k)
+        target = runner.model
         folder = Path(resolve_model(self.draft_model)) if self.draft_model else Path(folder)
         model = load_model(folder, target.dtype, target.device, draft_features)
         if model.config.vocab_size != target.config.vocab_size:
@@ -339,5 +363,5 @@ class SpeculativeDecoding:
                              f"target's ({target.config.vocab_size}): it needs the same tokenizer")
         print(f"[engine] draft model: {folder.name} ({model.format_name or 'float'}), "
               f"{model.weight_bytes / 1e6:.0f} MB", flush=True)
-        return Speculator(self.method, DraftModelProposer(model, kv_memory, block_size), self.k)
+        return Speculator(runner, self.method, DraftModelProposer(model, kv_memory, block_size), self.k)
 # --8<-- [end:options]
