@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
 
 from kit import cli
 from minivllm import threads as cpu_threads
-from kit.engines import MOVED_ENGINES, load_engine  # noqa: F401  (how the server and benchmarks build any engine)
+from kit.engines import load_engine  # noqa: F401  (how the server and benchmarks build any engine)
 from minivllm import contracts, model_files
 from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
 from minivllm.text import IncrementalDetokenizer, attach_logprobs, render_chat, tokenize  # noqa: F401
@@ -38,7 +38,14 @@ hf_hooks = importlib.import_module("04_hf_hooks")   # how HF's generate honours 
 class BaselineEngine(BaseOfflineEngine):
     """Chapter 1: HuggingFace's generate() behind our interface. A black box, but correct."""
 
-    accepts_token_ids = True   # a prompt may be its token ids (minivllm/text.py: tokenize)
+    # --8<-- [start:capabilities]
+    def capabilities(self) -> contracts.EngineCapabilities:
+        """It streams (HF's streamer), takes a prompt as token ids (minivllm/text.py: tokenize) and
+        refuses a bad one before any work (encode)."""
+        return super().capabilities().replace(model_name=self.model_name, device=str(self.device),
+                                              context_length=self.context_length, streams=True,
+                                              accepts_token_ids=True, checks_prompts=True)
+    # --8<-- [end:capabilities]
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,

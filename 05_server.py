@@ -3,20 +3,23 @@
 The engines speak Python; the ecosystem speaks OpenAI's HTTP API (curl, the `openai`
 package, benchmark tools). `make_app(engine)` bridges the two for every chapter's
 engine, because it only uses what all of them share: `generate`, `generate_batch`,
-the tokenizer (for the chat template) and, where an engine has it, `generate_stream`.
+the tokenizer (for the chat template), and the record `capabilities()` in which each engine
+states what else it can do (stream, take token ids, schedule requests itself, ...).
 
     python 05_server.py --port 8001                    # Chapter 1's BaselineEngine
     python 05_server.py --port 8001 --engine 04_engine:BaselineEngine --model SmolLM2-135M-Instruct
     ENGINE_CLASS=04_engine:BaselineEngine uvicorn --factory 05_server:create_app --port 8001
-    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 512MB --quant int8
+    python 05_server.py --engine minivllm:LLM --kv-memory 512MB --quant int8
+    ENGINE_CLASS="16_quantization_engine:QuantizedEngine --quant int4" uvicorn --factory 05_server:create_app
     curl -s http://127.0.0.1:8001/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32}'
 
 A request's path is the order of `OpenAIServer`'s methods: an endpoint checks the request,
 `prepare` sets its token budget, `answers` waits for the engine's turn and runs it, and the
 endpoint shapes the GenerateResult into OpenAI's JSON or a stream of events. Chapter 1's
-engines answer one request at a time, so requests queue for their turn; an engine that offers
-`submit` (Chapter 9) gets each request at once, tokenised, and concurrent users share its steps.
+engines answer one request at a time, so requests queue for their turn; an engine whose record
+says it schedules itself (Chapter 9) gets each request at once, tokenised, and concurrent users
+share its steps.
 
 Defaults differ from OpenAI's on purpose: `temperature` defaults to 0 (greedy, so the
 same request gives the same answer; OpenAI's default is 1) and `max_tokens` to 128,
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import time
 import uuid
@@ -48,17 +50,16 @@ from kit import openai_api as api   # the wire format: request bodies, errors, a
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
 from kit import structured_api      # Chapter 11: response_format, guided_*, tools
 from kit.bridge import all_or_nothing, in_thread, run_ahead, until_disconnected   # blocking engine, asyncio server
+from kit.engines import DEFAULT_ENGINE, load_engine
 from kit.openai_api import APIError, ChatRequest, CompletionRequest, from_engine_error, sse
+from minivllm.contracts import BaseOfflineEngine, SamplingParams
+from minivllm.text import render_chat
 
-engine_lib = importlib.import_module("04_engine")
-SamplingParams = engine_lib.SamplingParams
-
-DEFAULT_ENGINE = "04_engine:BaselineEngine"
 DEFAULT_MAX_TOKENS = 128
 
 
 # --8<-- [start:make-app]
-def make_app(engine, model_name: str | None = None, ops: server_ops.ServerOps | None = None,
+def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: server_ops.ServerOps | None = None,
              max_body_bytes: int = api.MAX_BODY_BYTES) -> FastAPI:
     """An OpenAI-compatible FastAPI app around any engine: each route is a method of OpenAIServer."""
     ops = ops or server_ops.ServerOps()
@@ -78,11 +79,12 @@ def make_app(engine, model_name: str | None = None, ops: server_ops.ServerOps | 
 class OpenAIServer:
     """The request path: the endpoints, then prepare, then answers (admission and the engine)."""
 
-    def __init__(self, engine, model_name: str | None, admission: server_ops.AdmissionQueue):
+    def __init__(self, engine: BaseOfflineEngine, model_name: str | None, admission: server_ops.AdmissionQueue):
         self.engine, self.admission = engine, admission
-        self.model_name = model_name or getattr(engine, "model_name", None) or type(engine).__name__
-        self.context_length = getattr(engine, "context_length", None)
-        self.batching = callable(getattr(engine, "submit", None))   # Chapter 9: it schedules requests itself
+        self.can = engine.capabilities()   # what the engine says it does: read here, once
+        self.model_name = model_name or self.can.model_name or type(engine).__name__
+        self.context_length = self.can.context_length
+        self.batching = self.can.schedules_itself   # Chapter 9: it schedules requests itself
 
     # --8<-- [start:chat-endpoint]
     async def chat_completions(self, req: ChatRequest, request: Request):
@@ -96,10 +98,10 @@ class OpenAIServer:
         self.check_size([m["content"] for m in messages], "messages")   # before the template's work
 
         def prepare_chat() -> list:   # template and tokenizer: in a thread, not on the event loop
-            if getattr(self.engine, "accepts_token_ids", False):   # ids, in which a client's text
-                prompt = api.chat_ids(self.engine.tokenizer, messages, engine_lib.render_chat)   # cannot spell control tokens
+            if self.can.accepts_token_ids:   # ids, in which a client's text cannot spell control tokens
+                prompt = api.chat_ids(self.engine.tokenizer, messages, render_chat)
             else:               # an engine that takes only text tokenises the template's text itself
-                prompt = engine_lib.render_chat(self.engine.tokenizer, messages)
+                prompt = render_chat(self.engine.tokenizer, messages)
             return self.prepare([prompt], limit, field, params)
 
         jobs = await run_in_threadpool(prepare_chat)
@@ -155,9 +157,9 @@ class OpenAIServer:
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
             if self.batching:
                 return [self.engine.new_request(i, requested or self.default_budget(len(i)), params) for i in ids]
-            takes_ids = getattr(self.engine, "accepts_token_ids", False)   # then tokenised once, here
+            takes_ids = self.can.accepts_token_ids   # then tokenised once, here
             jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
-            if len(jobs) > 1 and hasattr(self.engine, "encode"):   # Chapter 1's checks: text, length, window
+            if len(jobs) > 1 and self.can.checks_prompts:   # Chapter 1's checks: text, length, window
                 for prompt, budget in jobs:
                     self.engine.encode(prompt, params.token_budget(budget))
             return jobs
@@ -168,7 +170,7 @@ class OpenAIServer:
         """Without max_tokens: what is left of the context window, and of the KV pool where the
         engine has one (a small pool still answers a short prompt), at most 128."""
         budget = DEFAULT_MAX_TOKENS
-        for limit in (self.context_length, getattr(self.engine, "token_capacity", None)):
+        for limit in (self.context_length, self.can.token_capacity):
             if limit:
                 budget = min(budget, limit - n_prompt)
         return max(1, budget)
@@ -198,12 +200,11 @@ class OpenAIServer:
                     s.close()   # also the ones nobody started reading
                 # Ended before its results (a hang-up, a timeout, the shutdown): what it did generate
                 # still counts. A batching engine's requests know; for the others, the pieces sent.
-                made = [getattr(j, "new_ids", None) for j in jobs]
-                server_ops.cut_short(None if None in made else sum(map(len, made)))
+                server_ops.cut_short(sum(len(j.new_ids) for j in jobs) if self.batching else None)
 
     async def generate(self, jobs: list, params: SamplingParams) -> list:
         """Every job's GenerateResult, taken from its stream so that a hang-up stops it at the next token."""
-        if not self.batching and len(jobs) > 1 and getattr(self.engine, "max_batch_size", None):
+        if not self.batching and len(jobs) > 1 and self.can.max_batch_size:
             results = await self.generate_in_batches(jobs, params)
             server_ops.answered(results)
             return results
@@ -220,8 +221,8 @@ class OpenAIServer:
     # --8<-- [end:answer]
 
     def pieces(self, prompt: str, max_tokens: int, params: SamplingParams) -> Iterator:
-        """Text pieces then the GenerateResult, from generate_stream or, lacking it, generate."""
-        if hasattr(self.engine, "generate_stream"):
+        """Text pieces then the GenerateResult, from generate_stream where the engine streams, else generate."""
+        if self.can.streams:
             yield from self.engine.generate_stream(prompt, max_tokens, params)
             return
         result = self.engine.generate(prompt, max_tokens, params)
@@ -233,7 +234,7 @@ class OpenAIServer:
         """A list for an engine with batches of its own (Chapter 5's max_batch_size): generate_batch a
         batch at a time, each of prompts with the same budget, so that a hang-up or a timeout stops
         the list at the end of the running batch."""
-        size, results = self.engine.max_batch_size, {}
+        size, results = self.can.max_batch_size, {}
         async with self.admission.turn(len(jobs)):
             for budget in sorted({b for _, b in jobs}):
                 rows = [i for i, (_, b) in enumerate(jobs) if b == budget]
@@ -332,11 +333,12 @@ async def last(produced: AsyncIterator):
 def create_app() -> FastAPI:
     """For `uvicorn --factory 05_server:create_app`: the engine named by ENGINE_CLASS and
     ENGINE_MODEL (default: Chapter 1's) behind the API, keyed by ENGINE_API_KEY if set.
+    ENGINE_CLASS is a spec as --engine takes it, flags included ("minivllm:LLM --quant int8").
 
     uvicorn calls the factory once as it starts, before it opens its socket: a model that fails
     to load stops the server there, with its error, and importing 05_server (the tests build
     apps around tiny engines) loads no model."""
-    engine = engine_lib.load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE), os.environ.get("ENGINE_MODEL"))
+    engine = load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE), os.environ.get("ENGINE_MODEL"))
     ops = server_ops.ServerOps(api_key=os.environ.get("ENGINE_API_KEY") or None,
                                metrics_key=os.environ.get("ENGINE_METRICS_KEY") or None)
     return make_app(engine, ops=ops)
@@ -350,7 +352,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=os.environ.get("ENGINE_MODEL"),
                         help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
-                        help="the engine class as module:Class")
+                        help="the engine class as module:Class (default: $ENGINE_CLASS or %(default)s); "
+                        "flags after the class, in the same quotes, are its own and win over the ones "
+                        "below: \"16_quantization_engine:QuantizedEngine --quant int4\"")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     cli.add_engine_options(parser)   # --quant, --prefix-caching, --kv-memory, ...: the engine's keywords
     server_ops.add_arguments(parser)
@@ -364,16 +368,14 @@ def main() -> None:
         parser.error("--host must name an address: 127.0.0.1 (this machine only) or 0.0.0.0 (the network)")
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
-        engine = engine_lib.load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
+        engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
     except ValueError as exc:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
         server_ops.run_server(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -13,52 +13,58 @@ request, and summarise latency as mean and p50/p90/p99: the slow tail is what us
         --engine 07_decode_loop:DecodeLoopEngine --json results/offline.json --plot results/offline.png
     python 06_benchmark_offline.py --workload mixed --ignore-eos --runs 1 \\
         --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine \\
-        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch StaticBatchEngine
+        --engine minivllm:LLM --batch StaticBatchEngine
 
 `--workload mixed` is Chapter 9's: 32 requests with the prompt lengths and budgets of
-`data/mixed_workload.json`, each with its own max_new_tokens. An engine with an engine
-loop (`submit`) gets them all at once; an engine named by `--batch` runs static batches
-that last as long as their largest budget; any other engine runs them one by one.
+`data/mixed_workload.json`, each with its own max_new_tokens. An engine whose record says it
+schedules itself (`capabilities()`, an engine loop) gets them all at once; an engine named by
+`--batch` runs static batches that last as long as their largest budget; any other engine runs
+them one by one.
 `--workload table` is Chapter 13's speed table (kit/suite.py): batch 1, a 489-token prefill,
 batch 32 and the mixed workload, one after another, summed up in one table of tokens/s:
 
     python 06_benchmark_offline.py --workload table --ignore-eos --runs 1 \\
-        --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine \\
+        --engine 04_engine:BaselineEngine --engine minivllm:LLM \\
         --engine 17_compile:CompiledEngine --batch BaselineEngine --peer vllm
 
 The engine's feature flags (`--quant`, `--prefix-caching`, `--kv-memory`, `--max-num-seqs`, ...,
 the same as 05_server.py's) become constructor keywords of every engine named: an engine
-without that feature is refused in one line rather than measured without it.
+without that feature is refused in one line rather than measured without it. Flags inside an
+engine's quoted spec are that engine's alone, and win over the shared ones (Chapter 12's formats
+side by side):
+
+    python 06_benchmark_offline.py --ignore-eos --engine 10_model_engine:ModelEngine \\
+        --engine "16_quantization_engine:QuantizedEngine --quant int8" \\
+        --engine "16_quantization_engine:QuantizedEngine --quant int4"
 
 `--peer vllm` adds vLLM's CPU build as one more row, run in its own venv on the same model
 folder and the same requests, alternating with our engines run by run (kit/peers.py;
 install it once with `bash scripts/peers/install_vllm.sh /tmp/peers/vllm`):
 
     python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos \\
-        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm
+        --engine minivllm:LLM --peer vllm
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from kit import bench, cli, peers, progress, suite
 from kit.bench import RequestRecord
+from kit.engines import DEFAULT_ENGINE, load_engine
 from kit.workloads import WorkItem, load_prompts, mixed_workload
-
-setup = importlib.import_module("01_setup")
-engine_mod = importlib.import_module("04_engine")
-SamplingParams = importlib.import_module("03_contracts").SamplingParams
+from minivllm.contracts import SamplingParams
+from minivllm.model_files import resolve_model
+from minivllm.text import render_chat
 
 
 def prompt_text(engine, prompt: dict) -> str:
     """What the engine sees: chats go through the model's own chat template."""
-    return prompt["text"] if "text" in prompt else engine_mod.render_chat(engine.tokenizer, prompt["messages"])
+    return prompt["text"] if "text" in prompt else render_chat(engine.tokenizer, prompt["messages"])
 
 
 def record_of(result, latency_s: float, queued_s: float = 0.0) -> RequestRecord:
@@ -135,7 +141,7 @@ SUBMITTED = "all of a run's requests at its start, for every engine (one at a ti
 def runner_for(engine, spec: str, label: str, args, n: int) -> tuple[str, object]:
     """How this engine meets the workload: its engine loop if it has one (all requests at once),
     static batches where --batch names it (or names no engine), otherwise one after another."""
-    if hasattr(engine, "submit"):
+    if engine.capabilities().schedules_itself:
         return "all at once", run_submitted
     if args.batch is not None and (not args.batch or spec in args.batch or label in args.batch):
         return f"batch of {min(args.batch_size or n, n)}", functools.partial(run_batched, batch_size=args.batch_size)
@@ -157,7 +163,7 @@ def measure(engines: list, runners: list, items: list[list[WorkItem]], params, a
     estimates = []
     for engine, label, engine_items, (_, run) in zip(engines, labels, items, runners):
         warm = (engine_items * args.warmup)[: args.warmup]
-        if warm and not getattr(engine, "warms_up_itself", False):   # the peer warms up in its own process
+        if warm and run is not peers.run_peer:   # the peer warms up in its own process, every run
             progress.say(f"[warm-up] {label}: {len(warm)} request(s), not counted")
             recs, secs = run(engine, warm, params, progress.Progress(len(warm), "requests", enabled=False))
             estimates.append(progress.estimate_s(secs, sum(r.output_tokens for r in recs),
@@ -195,7 +201,7 @@ def measure_workload(engines, specs, labels, peer, build, params, args, parser) 
         records, seconds = measure(engines, runners, items, params, args, labels)
     except ValueError as exc:
         parser.error(f"an engine refused a request of this workload: {exc}")
-    if labels[-1] == getattr(peer, "name", None) and peer.error:   # our rows stand; the peer's is dropped
+    if peer and labels[-1] == peer.name and peer.error:   # our rows stand; the peer's is dropped
         print(f"[peer] vLLM failed, its row is left out: {peer.error}", flush=True)
         labels, records, seconds, runners = labels[:-1], records[:-1], seconds[:-1], runners[:-1]
     stats = [bench.bench_stats(label, recs, secs) for label, recs, secs in zip(labels, records, seconds)]
@@ -208,8 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=cli.integer(1, 1000), default=2, help="measured passes over the prompt set")
     parser.add_argument("--batch", nargs="*", metavar="ENGINE", default=None,
                         help="time generate_batch (static batches) instead of generate: for every engine, "
-                        "or only those named (module:Class or Class). Engines with submit() always get "
-                        "every request at once")
+                        "or only those named (as --engine gives them, or their Class). Engines that "
+                        "schedule themselves always get every request at once")
     parser.add_argument("--batch-size", type=cli.integer(1, 4096), default=None, help="with --batch: chunks of this size")
     parser.add_argument("--device", default=None)
     peers.add_args(parser)
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--batch-size only applies with --batch")
     peers.check_args(parser, args)
 
-    specs = args.engine or ["04_engine:BaselineEngine"]
+    specs = args.engine or [DEFAULT_ENGINE]
     labels = bench.engine_labels(specs)
     unknown = set(args.batch or ()) - set(specs) - set(labels)
     if unknown:
@@ -228,18 +234,19 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(ignore_eos=args.ignore_eos)   # greedy: every engine does the same work
     options = cli.engine_options(args)   # to every engine: one lacking a feature is refused, not run without it
     try:
-        engines = [engine_mod.load_engine(spec, args.model, device=args.device, **options)
-                   for spec in specs]   # each loaded once
+        engines = [load_engine(spec, args.model, device=args.device, **options)
+                   for spec in specs]   # each loaded once; a spec's own flags win over the shared ones
     except ValueError as exc:
         parser.error(str(exc))
     peer = None
     if args.peer:
-        peer = peers.find(args.peer, args.peer_venv, setup.resolve_model(args.model), torch.get_num_threads(),
+        peer = peers.find(args.peer, args.peer_venv, resolve_model(args.model), torch.get_num_threads(),
                           args.peer_timeout, options, engines[0].tokenizer)
         print(peer.announce(), flush=True)
+    first = engines[0].capabilities()
     config = {**vars(args), "engine": specs,   # what was really run, for the record
-              "model": getattr(engines[0], "model_name", args.model),
-              "device": str(getattr(engines[0], "device", "")), "peer": peer.describe() if peer else None}
+              "model": first.model_name or args.model, "device": first.device or "",
+              "peer": peer.describe() if peer else None}
     measure_one = functools.partial(measure_workload, engines, specs, labels, peer, params=params, args=args,
                                     parser=parser)
     if args.workload == "table":

@@ -17,7 +17,7 @@ keeps at most C in flight. `--request-rate R` releases them at random, seeded
 times (a Poisson process, R per second on average), like independent users would.
 
     python 06_benchmark_online.py --workload mixed --concurrency 32 --runs 1 --ignore-eos \\
-        --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine
+        --engine 04_engine:BaselineEngine --engine minivllm:LLM
 
 `--workload mixed` sends Chapter 9's mixed lengths (plain-text completions, each with its
 own max_tokens). Besides throughput, goodput: the share and the rate of requests that met
@@ -25,10 +25,11 @@ a service-level objective, first token within `--slo-ttft-ms` (default 1000) and
 given, later tokens `--slo-tpot-ms` apart. Several servers run side by side, measured in turn.
 
 The engine's feature flags (`--quant`, `--prefix-caching`, `--kv-memory`, `--max-num-seqs`, ...)
-are passed on to every server launched, as 05_server.py's own flags of the same names.
+are passed on to every server launched, as 05_server.py's own flags of the same names; flags
+inside an engine's quoted spec go to its server alone (`--engine "minivllm:LLM --quant int4"`).
 
     python 06_benchmark_online.py --workload mixed --concurrency 32 --runs 1 --ignore-eos \\
-        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --kv-memory 64MB --max-num-seqs 8
+        --engine minivllm:LLM --kv-memory 64MB --max-num-seqs 8
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import signal
 import sys
@@ -47,9 +47,9 @@ import httpx
 import numpy as np
 from kit import bench, cli, launcher, progress   # flags and statistics shared with the offline benchmark
 from kit.bench import RequestRecord
+from kit.engines import DEFAULT_ENGINE
 from kit.workloads import load_prompts, mixed_workload
-
-setup = importlib.import_module("01_setup")
+from minivllm.model_files import DEFAULT_MODEL, resolve_model
 
 
 @contextlib.contextmanager
@@ -209,7 +209,7 @@ def workload(args) -> list[tuple[dict, int]]:
         return [(p, args.max_new_tokens) for p in load_prompts(args.prompts, args.num_prompts)]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(setup.resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     return [({"text": w.prompt}, w.max_new_tokens)
             for w in mixed_workload(tokenizer, args.num_prompts or 32, args.seed)]
 
@@ -218,7 +218,7 @@ async def model_id(client: httpx.AsyncClient, args) -> str:
     try:  # vLLM and ours check the model name
         return (await client.get("/v1/models")).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return args.model or setup.DEFAULT_MODEL
+        return args.model or DEFAULT_MODEL
 
 
 async def measure(url: str, args, requests: list[tuple[dict, int]], warmup: int, bar) -> tuple[list, float]:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("engine flags (--quant, --kv-memory, ...) configure the servers launched here: "
                      "drop them with --url")
 
-    specs = args.engine or ["04_engine:BaselineEngine"]
+    specs = args.engine or [DEFAULT_ENGINE]
     targets = args.url or specs
     labels = args.url or bench.engine_labels(specs)
     try:

@@ -52,6 +52,10 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)  # never attended anyway
 
+    def capabilities(self):
+        """Chapter 2's engine, and a list's prompts max_batch_size at a time (the server batches by it)."""
+        return super().capabilities().replace(max_batch_size=self.max_batch_size)
+
     # --8<-- [start:left-pad]
     def left_pad(self, prompts: list[torch.Tensor]):
         """Stack [1, n_i] prompts into [batch, width] input_ids, attention mask and position ids."""

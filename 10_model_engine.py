@@ -36,7 +36,12 @@ DEFAULT_KV_MEMORY = 2 << 30   # bytes of KV cache one generate_batch chunk may a
 class ModelEngine(BaseOfflineEngine):
     """Chapter 6: tokenizer + output processor + model runner, and the decode loop that drives them."""
 
-    accepts_token_ids = True   # a prompt may be its token ids (minivllm/text.py: tokenize)
+    def capabilities(self):
+        """It streams, takes a prompt as token ids (minivllm/text.py: tokenize) and runs
+        max_num_seqs prompts of a list together."""
+        return super().capabilities().replace(model_name=self.model_name, device=str(self.device),
+                                              context_length=self.context_length, streams=True,
+                                              accepts_token_ids=True, max_batch_size=self.max_num_seqs)
 
     # --8<-- [start:init]
     def __init__(self, model_name: str | None = None, device: str | None = None,

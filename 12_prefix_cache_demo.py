@@ -3,7 +3,7 @@
     python 12_prefix_cache.py                     # TTFT with and without the cache, hit rate, blocks saved
     python 12_prefix_cache_demo.py --plot ch8.png      # TTFT per request, both ways, as a picture
     python 12_prefix_cache_demo.py --questions 4       # a shorter run
-    python 12_prefix_cache_demo.py --at-once 13_continuous_batching_engine:ContinuousBatchingEngine   # all 16 in one batch
+    python 12_prefix_cache_demo.py --at-once minivllm:LLM   # all 16 in one batch
 
 The workload is committed in data/prefix_cache_workload.json: a help desk's system prompt
 (about 400 tokens) sent with 16 different questions one after another, and a four-turn
@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), help="save TTFT per request, cache off and on")
     parser.add_argument("--at-once", metavar="ENGINE", default=None,
                         help="instead: send the questions in one generate_batch call to this engine "
-                             "(module:Class taking prefix_caching=), e.g. 13_continuous_batching_engine:ContinuousBatchingEngine")
+                             "(module:Class taking prefix_caching=), e.g. minivllm:LLM")
     args = parser.parse_args()
     workload = load_workload()
     if not 1 <= args.questions <= len(workload["questions"]):

@@ -9,7 +9,8 @@ next one in line.
 
 This is the book's engine assembled, in the package: the step (schedule -> run -> postprocess)
 is `minivllm/engine.py`, the loop that serves live traffic `minivllm/engine_loop.py`, and `LLM`
-(`minivllm/llm.py`) wires every chapter's feature into it. Every part comes from its own
+(`minivllm/llm.py`; `--engine minivllm:LLM` for the server and the benchmarks) wires every
+chapter's feature into it. This script sends it one prompt. Every part comes from its own
 chapter and is composed, not rewritten: the output processor (Chapter 2), the model runner
 (Chapter 6), the KV pool and block manager (Chapter 7), the prefix cache (Chapter 8), the
 scheduler (13_scheduler.py), and weights in any format (Chapter 12). Each feature is a keyword
@@ -27,7 +28,7 @@ of the constructor, with the same name as the flag of 05_server.py and of both b
 
     python 13_continuous_batching_engine.py --quant int8 --prefix-caching   # one prompt, as 04_engine.py
     python 13_continuous_batching_demo.py                # a mixed workload, traced step by step
-    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --quant int8 --prefix-caching
+    python 05_server.py --engine minivllm:LLM --quant int8 --prefix-caching
 
 For live traffic `submit()` hands a request to a background thread that steps the
 scheduler while there is work; the caller reads text pieces, then the GenerateResult,
@@ -39,22 +40,13 @@ from __future__ import annotations
 
 import importlib
 
-from minivllm.engine import LLMEngine  # noqa: F401  (the engine of this chapter, built from its parts)
-from minivllm.engine_loop import EngineLoop, RequestStream  # noqa: F401
-from minivllm.llm import LLM
-from minivllm.output import Request  # noqa: F401
-from minivllm.scheduler import Scheduler  # noqa: F401
+from minivllm import LLM
 
 engine04 = importlib.import_module("04_engine")
 
 
-class ContinuousBatchingEngine(LLM):
-    """The assembled engine under its Chapter 9 name: `LLM` (minivllm/llm.py), every feature a
-    keyword. The step is minivllm/engine.py, the loop minivllm/engine_loop.py."""
-
-
 def main() -> None:
-    engine, _, _ = engine04.engine_main(ContinuousBatchingEngine, "Chapter 9: the assembled engine, every feature a switch.")
+    engine, _, _ = engine04.engine_main(LLM, "Chapter 9: the assembled engine, every feature a switch.")
     print(f"  {'features':<15} {engine.features()}")
     engine.close()
 

@@ -28,7 +28,7 @@ format. The code lives in `minivllm/compile.py`; this script checks it.
     python 17_compile_demo.py --part steps       # a step's time, eager vs compiled, batch 1 to 32
     python 17_compile_demo.py --plot ch13.png    # a step taken apart, every format, batch 1 and 32
     python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --compile \\
-           --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm
+           --engine minivllm:LLM --peer vllm
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ minivllm/parallel_workers.py; the scaling model on paper 18_tensor_parallel_scal
 
     python 18_tensor_parallel.py --tensor-parallel-size 3       # 3 processes, gloo on CPU
     torchrun --nproc-per-node 3 18_tensor_parallel.py           # the same, started by torchrun
-    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --tensor-parallel-size 3
+    python 05_server.py --engine minivllm:LLM --tensor-parallel-size 3
 """
 
 from __future__ import annotations

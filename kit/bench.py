@@ -80,10 +80,12 @@ def bench_stats(name: str, records: list[RequestRecord], duration_s: float) -> B
 
 
 def engine_labels(specs: list[str]) -> list[str]:
-    """Short column names ('BaselineEngine'); a repeated engine becomes 'BaselineEngine#2'."""
+    """Short column names: the class, with the spec's own flags ('BaselineEngine', 'QuantizedEngine
+    --quant int4'); a repeated engine becomes 'BaselineEngine#2'."""
     labels, seen = [], {}
     for spec in specs:
-        base = spec.rpartition(":")[2] or spec
+        class_spec, *flags = spec.split(None, 1) or [spec]
+        base = " ".join([class_spec.rpartition(":")[2] or class_spec, *flags])
         seen[base] = seen.get(base, 0) + 1
         labels.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
     return labels
@@ -205,7 +207,9 @@ def common_args(parser: argparse.ArgumentParser, table: bool = False) -> None:
     """The flags both benchmarks share, so the two are run the same way. `table`: offer Chapter 13's
     speed table too, which only the offline benchmark runs (kit/suite.py)."""
     parser.add_argument("--engine", action="append", help="module:Class; repeat it to compare engines "
-                        "(default: 04_engine:BaselineEngine)")
+                        "(default: 04_engine:BaselineEngine). The engine flags below go to every engine; "
+                        "flags after the class, in the same quotes, are that engine's alone and win: "
+                        "--engine \"16_quantization_engine:QuantizedEngine --quant int4\"")
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--workload", choices=("prompts", "mixed") + (("table",) if table else ()), default="prompts",
                         help="prompts: the committed prompt set, one budget (--max-new-tokens); mixed: "

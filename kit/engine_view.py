@@ -5,7 +5,8 @@ queues and block tables it describes hold still while they are read; the engine'
 what it reads into plain, bounded dicts (`minivllm/snapshot.py`), and this module serves them at GET /engine/scheduler with
 one snapshot shared by every browser for SNAPSHOT_TTL_S (`EngineView`): thirty tabs polling
 twice a second cost the engine at most four snapshots a second, taken in a worker thread,
-never on the event loop, and no poll waits long for one. An engine without a scheduler answers `{"available": false}`.
+never on the event loop, and no poll waits long for one. An engine without a scheduler answers
+`{"available": false}` (BaseOfflineEngine's own `snapshot()`).
 
     curl -s 'http://127.0.0.1:8001/engine/scheduler?since=0' | python -m json.tool
 """
@@ -18,7 +19,7 @@ import time
 import anyio
 from fastapi import FastAPI, Query
 
-from minivllm.snapshot import scheduler_snapshot, request_row  # noqa: F401  (the engine's side of the page)
+from minivllm.snapshot import request_row, scheduler_snapshot  # noqa: F401  (the engine's side of the page)
 
 SNAPSHOT_TTL_S = 0.25    # one snapshot serves every poll this long
 MAX_STEP = 2 ** 53       # the largest `since` accepted (JavaScript's exact integers)
@@ -57,10 +58,7 @@ class EngineView:
             self._refresh = None
 
     def _take(self) -> dict | None:
-        snapshot = getattr(self.engine, "snapshot", None)
-        if not callable(snapshot):                 # Chapter 1's engines: no scheduler to show
-            return {"available": False, "engine": type(self.engine).__name__}
-        return snapshot()                          # None: no answer in time, keep the last one
+        return self.engine.snapshot()              # None: no answer in time, keep the last one
 # --8<-- [end:view]
 
 

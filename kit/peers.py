@@ -12,7 +12,7 @@ known and the wall time of that median pass is tokens / rate: vLLM's row gets th
 throughput lines (output tokens/s, requests/s, wall time) and none of its latency lines.
 
     python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos \\
-        --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm
+        --engine minivllm:LLM --peer vllm
 """
 
 from __future__ import annotations
@@ -159,8 +159,7 @@ class VllmPeer:
     timeout_s: float = 1800
     options: dict = field(default_factory=dict)   # our engines' keywords; those in MIRRORED are passed on
     tokenizer: object = None        # ours, for the prompt token counts vLLM's script does not print
-    name: str = "vLLM"
-    warms_up_itself = True          # it loads, warms up and measures inside one subprocess
+    name: str = "vLLM"              # it loads, warms up and measures inside one subprocess
     error: str | None = None
     log: list = field(default_factory=list)   # the lines it printed, one per run
 

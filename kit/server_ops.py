@@ -331,9 +331,9 @@ class ServerOps:
     def install(self, app: FastAPI, engine, api_error: type) -> None:
         """Add the middleware, /metrics, /engine/stats and the page, and the engine's `admission` queue."""
         self.app, self.engine, self.api_error = app, engine, api_error
-        batching = callable(getattr(engine, "submit", None))
-        self.admission = AdmissionQueue(self.max_waiting, self._queued, (lambda: engine_load(engine)) if batching
-                                        else None, seats=getattr(engine, "max_num_seqs", 0) or 0)
+        can = engine.capabilities()   # an engine that schedules itself is admitted by its seats
+        self.admission = AdmissionQueue(self.max_waiting, self._queued, (lambda: engine_load(engine))
+                                        if can.schedules_itself else None, seats=can.max_num_seqs or 0)
         self.metrics = Metrics(self.snapshot)
         app.add_middleware(_OpsMiddleware, ops=self)
 
@@ -376,12 +376,10 @@ class ServerOps:
                 "running": self.admission.running, "served": self._served,
                 "tokens_per_s": round(sum(n for _, n in self._tokens) / RATE_WINDOW_S, 2),
                 "window_s": RATE_WINDOW_S, "shutting_down": self.shutting_down}
-        stats = getattr(self.engine, "stats", None)
-        if callable(stats):
-            snap.update(stats())   # e.g. batch_sizes of recent steps, kv_blocks_used/free
-        features = getattr(self.engine, "features", None)
-        if callable(features):
-            snap["features"] = features()
+        snap.update(self.engine.stats())   # e.g. batch_sizes of recent steps, kv_blocks_used/free
+        features = self.engine.features()
+        if features:   # Chapter 1's engines were built with nothing to show
+            snap["features"] = features
         return snap
 
     def _queued(self, seconds: float) -> None:

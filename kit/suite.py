@@ -1,7 +1,7 @@
 """kit/suite.py - the speed table: four workloads in one command, one row per engine, vLLM's last.
 
     python 06_benchmark_offline.py --workload table --ignore-eos --runs 1 \\
-        --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine \\
+        --engine 04_engine:BaselineEngine --engine minivllm:LLM \\
         --engine 17_compile:CompiledEngine --batch BaselineEngine --peer vllm
 
 One number rarely says where an engine stands: batch 1 is decode alone (every weight read for

@@ -212,6 +212,9 @@ class CompiledModel(LlamaModel):
     @torch.inference_mode()
     @distinct_sizes
     def forward(self, batch, cache, all_logits: bool = False, timer=None, num_logits=None) -> torch.Tensor:
+        """Chapter 6's forward pass (LlamaModel.forward), the same arithmetic in the same order,
+        with the glue between matmuls handed to `ops` (fused, or eager below the threshold)
+        and decode attention read from the pool in place: token for token the eager model's."""
         c, w, ops = self.config, self.w, self.glue_for(len(batch.token_ids))
         x = w["embed"][batch.token_ids]
         cos, sin = rope_angles(batch.positions, self.inv_freq, self.dtype)

@@ -4,7 +4,8 @@
 list. What goes in (`SamplingParams`) and what comes out (`GenerateResult`, with its
 `RequestMetrics`) are plain dataclasses with no torch inside: ordinary Python values that a
 server turns into JSON and a benchmark adds up. Every size a client controls is bounded here,
-once, so a bad value is a ValueError at construction wherever it comes from.
+once (`REQUEST_FIELDS`, which the server's request models read too), so a bad value is a
+ValueError at construction wherever it comes from.
 """
 
 from __future__ import annotations
@@ -12,26 +13,17 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
+
+from minivllm.request_fields import RequestField, request_field
 
 FinishReason = Literal["stop", "length"]
 
-# Every size a client controls is capped. Four stop strings is OpenAI's limit; the length
-# cap keeps the per-token check for "could this tail grow into a stop string?" cheap.
-MAX_STOP_STRINGS = 4
-MAX_CACHE_SALT_CHARS = 256
-MAX_STOP_CHARS = 256
-SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
-# OpenAI's bounds for the logit adjustments and log-probabilities; vLLM's repetition_penalty
-# has none, but beyond 2 it only garbles text, and 0 or less would flip or divide by zero.
-PENALTY_RANGE = (-2.0, 2.0)            # presence_penalty, frequency_penalty
-REPETITION_RANGE = (0.01, 2.0)         # repetition_penalty; 1 is off. Below 0.01 a seen token's logit
-                                       # is multiplied past float32's range: inf, then NaN probabilities
-MIN_TEMPERATURE = 1e-5                 # a sampling temperature; logits / 1e-300 overflow float32 the same way
-LOGIT_BIAS_RANGE = (-100.0, 100.0)
-MAX_LOGIT_BIAS = 300                   # entries in one logit_bias
-MAX_TOP_LOGPROBS = 20
+# Each SamplingParams field's bounds are declared with the field (REQUEST_FIELDS, below); these
+# two rules are about single values inside a field, not about the field as a whole.
+MIN_TEMPERATURE = 1e-5                 # a sampling temperature; logits / 1e-300 overflow float32: NaN probabilities
+LOGIT_BIAS_RANGE = (-100.0, 100.0)     # each logit_bias value (OpenAI's bound)
 # Structured output (Chapter 11): one constraint per request, each kind with its own text.
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 MAX_STRUCTURED_CHARS = 32_768          # a schema's JSON text, a regex or an EBNF grammar
@@ -46,34 +38,53 @@ NO_STRUCTURED_OUTPUT = ("this engine was built without structured output: pass "
 # --8<-- [start:sampling-params]
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. The defaults mean greedy decoding."""
+    """How to pick each next token. The defaults mean greedy decoding.
 
-    temperature: float = 0.0        # 0 means greedy: always the most likely token
-    top_p: float = 1.0              # nucleus: keep the smallest set with this much probability
-    top_k: int = 0                  # keep only the k most likely tokens; 0 turns it off
-    max_tokens: int | None = None   # optional cap on new tokens, on top of max_new_tokens
-    seed: int | None = None         # same seed, same sampled text
-    stop: tuple[str, ...] = ()      # generation ends before the first of these strings
-    ignore_eos: bool = False        # keep going past end-of-sequence (benchmarks use it)
-    # Adjustments to the logits before temperature, in the order HF's generate applies them:
-    logit_bias: tuple[tuple[int, float], ...] = ()   # OpenAI: (token id, added to its logit); a dict works too
-    repetition_penalty: float = 1.0  # HF/vLLM: any token already seen, prompt included, is divided
-                                     # (positive logit) or multiplied (negative) by it; 1 is off
-    presence_penalty: float = 0.0   # OpenAI: subtracted once from each token already in the output
-    frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token occurs in the output
-    logprobs: int | None = None     # None: off; k: the chosen token's log-probability and the k likeliest
-    # Chapter 11: the output must match this. A dict with one key, {"json_schema": dict or JSON text},
-    # {"json_object": True}, {"regex": str}, {"grammar": EBNF str} or {"choice": [str, ...]},
-    # kept as the pair (kind, text) (choice: a tuple of str); None: free text
-    structured: tuple[str, str | tuple[str, ...]] | None = None
-    # Chapter 8: a prefix cache shares a prompt's blocks only with requests of the same salt
-    # (vLLM's cache_salt): tenants that must not learn each other's prompts use different ones.
-    cache_salt: str | None = None
+    Each field is declared once, with its default, its help and its bounds; REQUEST_FIELDS
+    (below) is the table of them that these checks and the server's request models both read.
+    """
+
+    temperature: float = request_field(0.0, "0 means greedy: always the most likely token",
+                                       low=0.0, high=2.0, note="0 is greedy")
+    top_p: float = request_field(1.0, "nucleus: keep the smallest set with this much probability",
+                                 low=0.0, low_open=True, high=1.0)
+    top_k: int = request_field(0, "keep only the k most likely tokens", low=0, note="0 turns it off")
+    max_tokens: int | None = request_field(None, "a cap on new tokens, on top of max_new_tokens", low=1,
+                                           openai="max_completion_tokens")
+    seed: int | None = request_field(None, "same seed, same sampled text", low=-(2**63), high=2**64 - 1,
+                                     note="a 64-bit integer")   # what torch.Generator.manual_seed takes
+    # Four stop strings is OpenAI's limit; the length cap keeps the per-token check for "could
+    # this tail grow into a stop string?" cheap.
+    stop: tuple[str, ...] = request_field((), "generation ends before the first of these strings",
+                                          max_items=4, max_chars=256)
+    ignore_eos: bool = request_field(False, "keep going past end-of-sequence (benchmarks use it)")
+    # Adjustments to the logits before temperature, in the order HF's generate applies them,
+    # bounded as OpenAI bounds them. vLLM's repetition_penalty has no bound, but beyond 2 it only
+    # garbles text, and below 0.01 a seen token's logit is multiplied past float32's range.
+    logit_bias: tuple[tuple[int, float], ...] = request_field(
+        (), "OpenAI: (token id, added to its logit) pairs; a dict works too", max_items=300)
+    repetition_penalty: float = request_field(
+        1.0, "HF/vLLM: a token already seen, prompt included, has its logit divided (positive) or "
+             "multiplied (negative) by it", low=0.01, high=2.0, note="1 is off")
+    presence_penalty: float = request_field(0.0, "OpenAI: subtracted once from each token already in the output",
+                                            low=-2.0, high=2.0)
+    frequency_penalty: float = request_field(0.0, "OpenAI: subtracted once per time a token occurs in the output",
+                                             low=-2.0, high=2.0)
+    logprobs: int | None = request_field(None, "None: off; k: the chosen token's log-probability and the k "
+                                               "likeliest", low=0, high=20, openai="top_logprobs")
+    # Chapter 11: a dict with one key, {"json_schema": dict or JSON text}, {"json_object": True},
+    # {"regex": str}, {"grammar": EBNF str} or {"choice": [str, ...]}, kept as the pair (kind, text)
+    # (choice: a tuple of str)
+    structured: tuple[str, str | tuple[str, ...]] | None = request_field(
+        None, "the output must match this constraint; None: free text", openai="response_format")
+    # Chapter 8: tenants that must not learn each other's prompts use different salts.
+    cache_salt: str | None = request_field(None, "vLLM's: a prefix cache shares a prompt's blocks only "
+                                                 "with requests of the same salt", max_chars=256)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
             object.__setattr__(self, "stop", (self.stop,))
-        if not isinstance(self.stop, (list, tuple)):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         self._check_types()
@@ -82,34 +93,17 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted((k, float(v)) for k, v in bias)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from exc
-        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature:
+        for spec in REQUEST_FIELDS.values():   # every field's bounds, from the one table
+            spec.check(getattr(self, spec.name))
+        if self.temperature != 0 and self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise ValueError(f"seed must be a 64-bit integer (between -2**63 and 2**64 - 1), got {self.seed}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters each, "
-                             f"got one of {max(len(s) for s in self.stop)}")
-        self._check_adjustments()
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
-                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
-                             f"got {self.cache_salt!r:.80}")
+        self._check_logit_bias()
         if self.structured is not None:
             object.__setattr__(self, "structured", structured_spec(self.structured))
 
     def _check_types(self) -> None:
         # True is an int in Python, "0.5" would fail later, deep in torch, with a TypeError,
-        # and NaN slips past every range comparison below.
+        # and NaN slips past every range comparison.
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -120,6 +114,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r:.80}")
 
     @classmethod
     def or_default(cls, params: SamplingParams | None) -> SamplingParams:
@@ -130,16 +126,7 @@ class SamplingParams:
             raise ValueError(f"params must be a SamplingParams or None, got {type(params).__name__}")
         return params
 
-    def _check_adjustments(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not PENALTY_RANGE[0] <= getattr(self, name) <= PENALTY_RANGE[1]:
-                raise ValueError(f"{name} must be between {PENALTY_RANGE[0]:g} and {PENALTY_RANGE[1]:g}, "
-                                 f"got {getattr(self, name)}")
-        if not REPETITION_RANGE[0] <= self.repetition_penalty <= REPETITION_RANGE[1]:
-            raise ValueError(f"repetition_penalty must be between {REPETITION_RANGE[0]:g} and {REPETITION_RANGE[1]:g} "
-                             f"(1 is off), got {self.repetition_penalty}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+    def _check_logit_bias(self) -> None:
         for token_id, bias in self.logit_bias:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
@@ -148,9 +135,6 @@ class SamplingParams:
                                  f"{LOGIT_BIAS_RANGE[1]:g}, got {bias} for token {token_id}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token more than once")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs (the number of alternatives) must be between 0 and "
-                             f"{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -180,6 +164,14 @@ class SamplingParams:
         return min(max_new_tokens, self.max_tokens or max_new_tokens)
 
 
+# The table of request fields: SamplingParams' fields, in order, each with its help and bounds.
+REQUEST_FIELDS = {f.name: RequestField(f.name, f.type, f.default, **f.metadata) for f in fields(SamplingParams)}
+# Bounds that scripts and tests name (02_sampling's --seed, 03_contracts' demonstrations).
+SEED_RANGE = (REQUEST_FIELDS["seed"].low, REQUEST_FIELDS["seed"].high)
+REPETITION_RANGE = (REQUEST_FIELDS["repetition_penalty"].low, REQUEST_FIELDS["repetition_penalty"].high)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = REQUEST_FIELDS["stop"].max_items, REQUEST_FIELDS["stop"].max_chars
+
+
 def check_prompts(prompts) -> None:
     """generate_batch's prompts: a list (or tuple) of prompts, not one string."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
@@ -196,6 +188,7 @@ def check_max_new_tokens(max_new_tokens) -> None:
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 # --8<-- [end:sampling-params]
+
 
 
 # --8<-- [start:structured]
@@ -339,14 +332,46 @@ class GenerateResult:
 # --8<-- [end:result]
 
 
+# --8<-- [start:capabilities]
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine is and can do beyond the contract, stated once, by the engine itself
+    (`BaseOfflineEngine.capabilities()`). The server and the benchmarks read this record and
+    nothing else about an engine: each chapter's engine is served and measured for what it says
+    it does. The defaults are the contract alone, generate and generate_batch."""
+
+    model_name: str | None = None       # the model it serves (None: the server shows the class's name)
+    device: str | None = None           # where it runs, for a benchmark's record
+    context_length: int | None = None   # prompt and answer tokens together, at most (None: unknown)
+    streams: bool = False               # generate_stream yields text pieces as they are made
+    # A prompt may be its token ids: a server then tokenises a chat once, each message's text read
+    # as text, and hands the ids on (a client typing "<|im_start|>" forges no turn). An engine that
+    # takes only text gets the rendered template.
+    accepts_token_ids: bool = False
+    checks_prompts: bool = False        # encode(prompt, max_new_tokens) refuses a prompt before any work
+    max_batch_size: int | None = None   # generate_batch runs this many prompts together (Chapter 5)
+    # An engine loop (Chapter 9): new_request checks a prompt and builds its Request, submit_all hands
+    # requests over in one go, stats() counts those "running" and "waiting"; a server gives it
+    # requests at once.
+    schedules_itself: bool = False
+    max_num_seqs: int | None = None     # sequences in one step: the seats of an engine that schedules itself
+    token_capacity: int | None = None   # the most tokens one request can ever hold: its KV pool (None: no pool)
+
+    def __post_init__(self) -> None:
+        for name in ("context_length", "max_batch_size", "max_num_seqs", "token_capacity"):
+            value = getattr(self, name)
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def replace(self, **changes) -> EngineCapabilities:
+        """This record with some fields changed: a subclass states what it adds to its parent's."""
+        return type(self)(**{**vars(self), **changes})
+# --8<-- [end:capabilities]
+
+
 # --8<-- [start:interface]
 class BaseOfflineEngine(ABC):
     """Text in, GenerateResult out. Every chapter's engine is one of these."""
-
-    # An engine that also takes a prompt as token ids says so: a server then tokenises a chat once,
-    # each message's text read as text, and hands the ids on (a client typing "<|im_start|>"
-    # forges no turn). One that takes only text gets the rendered template.
-    accepts_token_ids: bool = False
 
     @abstractmethod
     def generate(
@@ -363,4 +388,25 @@ class BaseOfflineEngine(ABC):
         max_new_tokens: int,
         params: SamplingParams | None = None,
     ) -> list[GenerateResult]: ...
+
+    # What a server and a benchmark ask every engine besides, answered here for an engine that
+    # has nothing more to say: a later chapter's engine overrides what it can answer.
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine is and can do beyond generate and generate_batch."""
+        return EngineCapabilities()
+
+    def features(self) -> dict:
+        """What it was built with (a weight format, prefix caching...), for the server's page and /metrics."""
+        return {}
+
+    def stats(self) -> dict:
+        """The counters it keeps (KV blocks, its queue), for the server's page and /metrics."""
+        return {}
+
+    def snapshot(self) -> dict | None:
+        """Its scheduler's state, for the classroom page (Chapter 9); an engine without one says so."""
+        return {"available": False, "engine": type(self).__name__}
+
+    def close(self) -> None:
+        """Let go of what it holds beyond memory: a loop thread, worker processes. Nothing, here."""
 # --8<-- [end:interface]

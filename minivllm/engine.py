@@ -12,8 +12,10 @@ The engine is its parts, each from its own chapter, handed in ready-made:
     model runner      prepare -> forward -> sample over whatever the scheduler picked (Chapter 6),
                       on a KV pool of blocks (Chapter 7); a tensor-parallel group is a runner too
     block manager     blocks for tokens; one that remembers prefixes is Chapter 8's
-    scheduler         who runs this step (13_scheduler.py walks it by hand)
-    speculator        guesses verified in the step (Chapter 10), when it has one
+    scheduler         who runs this step, over the block manager (13_scheduler.py walks it by hand)
+
+Chapter 10's speculation is a runner too: it proposes guesses before the step and verifies them
+in it, behind the same calls, so the step below has no branch for it.
 
 A step reads schedule -> run -> postprocess. `LLM` (llm.py) builds the parts from options;
 the loop that serves live traffic (submit, streams, abort) is `engine_loop.py`.
@@ -24,27 +26,30 @@ from __future__ import annotations
 import collections
 import time
 
-from minivllm.block_manager import BlockManager
 from minivllm.contracts import BaseOfflineEngine, SamplingParams, join_pieces
 from minivllm.engine_loop import EngineLoop
 from minivllm.model_runner import ModelRunner
 from minivllm.output import OutputProcessor, Request
 from minivllm.scheduler import Scheduler
-from minivllm.snapshot import scheduler_snapshot, request_row
+from minivllm.snapshot import request_row, scheduler_snapshot
 
 
 class LLMEngine(EngineLoop, BaseOfflineEngine):
     """Chapter 9: a scheduler picks every step's batch from parts built elsewhere."""
 
-    accepts_token_ids = True   # a prompt may be its token ids (minivllm/text.py: tokenize)
+    def capabilities(self):
+        """It schedules its requests itself, on max_num_seqs seats and a pool of token_capacity
+        tokens; it streams and takes a prompt as token ids (minivllm/text.py: tokenize)."""
+        return super().capabilities().replace(
+            model_name=self.model_name, device=str(self.device), context_length=self.context_length,
+            streams=True, accepts_token_ids=True, schedules_itself=True, max_num_seqs=self.max_num_seqs,
+            token_capacity=self.token_capacity)
 
     # --8<-- [start:init]
     def __init__(self, model_name: str, tokenizer, output: OutputProcessor, runner: ModelRunner,
-                 blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256,
-                 speculator=None):
+                 scheduler: Scheduler):
         self.model_name, self.tokenizer, self.output = model_name, tokenizer, output
-        self.runner, self.blocks, self.speculator = runner, blocks, speculator
-        self.scheduler = Scheduler(blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner, self.scheduler, self.blocks = runner, scheduler, scheduler.blocks
         self.context_length = runner.model.config.max_position_embeddings
         self.device = runner.model.device
         self.on_step = None                  # the demo's tracer: called with each step's record
@@ -99,18 +104,12 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         work = self.scheduler.schedule()
         if not work.requests:
             return []
-        if self.speculator:                       # Chapter 10: guesses from what the budget has left
-            self.speculator.propose(work, self.scheduler.max_num_batched_tokens)
-            self.scheduler.add_guesses(work)
+        self.runner.propose(work, self.scheduler.max_num_batched_tokens)   # Chapter 10's guesses, if any
+        self.scheduler.add_guesses(work)          # ride in this step, from what the budget has left
         places = [self.blocks.tables[r.id] for r in work.requests]
-        if self.speculator:                       # the tokens each request keeps: 1 .. k + 1
-            runs = self.speculator.step(self.runner, work.requests, work.starts, work.lengths, places)
-        else:
-            runs = [None if t is None else [t] for t in self.runner.step(work.requests, work.starts,
-                                                                         work.lengths, places)]
+        runs = self.runner.run(work.requests, work.starts, work.lengths, places)   # 1 token, or 1 .. k + 1
         events = self.postprocess(work, runs)
-        if self.speculator:                       # the kept guesses that reached the output
-            self.speculator.count_kept(work.requests)
+        self.runner.settle(work.requests)         # what of the step reached the output
         if self.on_step:
             self.on_step(work, events)
         return events
@@ -142,12 +141,11 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
     # --8<-- [end:step]
 
     def _leave(self, r: Request) -> None:
-        """r is done or aborted: out of the scheduler, and of the drafter's memory."""
+        """r is done or aborted: out of the scheduler, and of the runner's memory (a drafter's)."""
         self.scheduler.finish(r)
         now = time.perf_counter()   # the classroom page shows it a few seconds more
         self.finished.append((now, request_row(r, "finished", now)))
-        if self.speculator:
-            self.speculator.release(r)
+        self.runner.release(r)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM has the same call), e.g. between two measurements."""
@@ -158,13 +156,11 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
 
     def features(self) -> dict:
         """What this engine was built with, for the server's page and /metrics."""
-        spec = {"speculative": self.speculator.name, "num_speculative_tokens": self.speculator.k} \
-            if self.speculator else {}
         return {"engine": type(self).__name__, "quant": self.model.format_name or "float32",
                 "max_num_seqs": self.max_num_seqs, "compile": getattr(self.model, "compiled", False),
                 "kv_memory": self.pool.nbytes, "block_size": self.pool.block_size,
                 "prefix_caching": self.prefix_caching,
-                "max_num_batched_tokens": self.scheduler.max_num_batched_tokens, **spec}
+                "max_num_batched_tokens": self.scheduler.max_num_batched_tokens, **self.runner.features()}
 
     def stats(self) -> dict:
         """Read from other threads (the server's panel) while the loop runs: len() and list() of a

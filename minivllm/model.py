@@ -8,8 +8,10 @@ The batch is flat and ragged (the new tokens of all sequences in one [total_toke
 with per-sequence lengths), so one forward carries one request's prefill beside others'
 single decode tokens; the KV cache is tensors we own, each new key/value written to its slot.
 Every matmul goes through `linear`, the one place weights are read: later chapters change
-the weights (formats, packing, shards), never the forward pass. `10_model.py` checks it
-against Hugging Face's model.
+the weights (formats, packing, shards), not this forward pass. One later chapter writes the
+same arithmetic a second way: Chapter 13's `CompiledModel.forward` fuses the glue between the
+matmuls (residual + RMSNorm, RoPE, SiLU·mul) into compiled kernels, and a test holds its
+tokens to this one. `10_model.py` checks this forward against Hugging Face's model.
 """
 
 from __future__ import annotations

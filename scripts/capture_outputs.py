@@ -130,7 +130,7 @@ CAPTURES = [
     Capture("12_prefix_cache_at_once", [
         "python 12_prefix_cache_demo.py --threads 1 --max-new-tokens 16 --at-once 12_prefix_cache_engine:PrefixCachingEngine",
         "python 12_prefix_cache_demo.py --threads 1 --max-new-tokens 16"
-        " --at-once 13_continuous_batching_engine:ContinuousBatchingEngine",
+        " --at-once minivllm:LLM",
     ], timeout_s=2400),
     # Chapter 9 (continuous batching)
     Capture("13_scheduler", ["python 13_scheduler.py"], timeout_s=120),   # the scheduler's decisions, no model
@@ -146,19 +146,19 @@ CAPTURES = [
     Capture("13_benchmark_offline", [
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1"
         " --ignore-eos --engine 04_engine:BaselineEngine --engine 09_static_batching:StaticBatchEngine"
-        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch StaticBatchEngine",
+        " --engine minivllm:LLM --batch StaticBatchEngine",
     ], timeout_s=3600),
     # The control: the same workload on Chapter 6's model throughout, one at a time (Chapter 6's engine),
     # in static batches (Chapter 7's), and continuously batched, so the model is not what differs.
     Capture("13_benchmark_same_model", [
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --runs 1 --warmup 1"
         " --ignore-eos --engine 10_model_engine:ModelEngine --engine 11_paged_kv_engine:PagedEngine"
-        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --batch PagedEngine",
+        " --engine minivllm:LLM --batch PagedEngine",
     ], timeout_s=3600),
     Capture("13_benchmark_online", [
         "OMP_NUM_THREADS=1 python 06_benchmark_online.py --workload mixed --num-prompts 32 --concurrency 32 --runs 1"
         " --ignore-eos --timeout 3600 --engine 04_engine:BaselineEngine"
-        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine",
+        " --engine minivllm:LLM",
     ], timeout_s=3600),
     Capture("13_matmul_bound", ["python 13_matmul_bound.py"], timeout_s=1800),
     Capture("17_compile_matmul_bound", ["python 13_matmul_bound.py --threads 2 --compile"], timeout_s=1800),
@@ -205,12 +205,12 @@ CAPTURES = [
     # Chapter 13 beside vLLM: the eager and the compiled assembled engine, the same 32 requests, one run
     Capture("17_compile_vllm", [
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
-        " --runs 1 --engine 13_continuous_batching_engine:ContinuousBatchingEngine --engine 17_compile:CompiledEngine"
+        " --runs 1 --engine minivllm:LLM --engine 17_compile:CompiledEngine"
         " --peer vllm",
     ], timeout_s=3600, peer=True),
     Capture("17_compile_vllm_2threads", [
         "OMP_NUM_THREADS=2 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
-        " --runs 1 --engine 13_continuous_batching_engine:ContinuousBatchingEngine --engine 17_compile:CompiledEngine"
+        " --runs 1 --engine minivllm:LLM --engine 17_compile:CompiledEngine"
         " --peer vllm",
     ], timeout_s=3600, peer=True),
     Capture("17_compile_vllm_2048", [
@@ -220,7 +220,7 @@ CAPTURES = [
     # Chapter 13's speed table in one command: HF, eager and compiled engines, vLLM; two threads each
     Capture("17_compile_table", [
         "OMP_NUM_THREADS=2 python 06_benchmark_offline.py --workload table --ignore-eos --runs 1 --warmup 1"
-        " --engine 04_engine:BaselineEngine --engine 13_continuous_batching_engine:ContinuousBatchingEngine"
+        " --engine 04_engine:BaselineEngine --engine minivllm:LLM"
         " --engine 17_compile:CompiledEngine --batch BaselineEngine --peer vllm --plot book/assets/ch13-table.png",
     ], timeout_s=3600, peer=True),
     Capture("17_compile_glue", ["python 17_compile.py --threads 2 --glue"], timeout_s=900),
@@ -246,7 +246,7 @@ CAPTURES = [
     # vLLM's CPU build beside our assembled engine, on the same 32 requests (its own venv; see kit/peers.py)
     Capture("06_benchmark_offline_vllm", [   # one thread each: on the shared capture machine two mostly wait
         "OMP_NUM_THREADS=1 python 06_benchmark_offline.py --workload mixed --num-prompts 32 --ignore-eos --warmup 1"
-        " --engine 13_continuous_batching_engine:ContinuousBatchingEngine --peer vllm",
+        " --engine minivllm:LLM --peer vllm",
     ], timeout_s=3600, peer=True),
     # int8 activations too (W8A8) beside weight-only int8: quality and speed, one sitting
     Capture("16_quantization_w8a8", [

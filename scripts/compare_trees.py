@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ENGINE = "13_continuous_batching_engine:ContinuousBatchingEngine"   # a spec both checkouts know
+ENGINE = "minivllm:LLM"   # a spec both checkouts know
 CASES = {
     "float32 batch 1": ["--num-prompts", "1", "--runs", "3", "--max-new-tokens", "64"],
     "int4 batch 1": ["--num-prompts", "1", "--runs", "3", "--max-new-tokens", "64", "--quant", "int4"],

@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from kit import launcher  # noqa: E402
 from minivllm.snapshot import FINISHED_KEEP_S  # noqa: E402
 
-ENGINE = "13_continuous_batching_engine:ContinuousBatchingEngine"
+ENGINE = "minivllm:LLM"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SYSTEM = ("You are the teaching assistant of a class on how large language models are served. "
           "Answer the student's question in two or three plain sentences, without lists or code.")

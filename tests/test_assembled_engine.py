@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from conftest import load_script
+from minivllm import LLM
 
 server = load_script("05_server")
-cb = load_script("13_continuous_batching_engine")
 quant_engines = load_script("16_quantization_engine")
 engines = importlib.import_module("kit.engines")
 SamplingParams = load_script("03_contracts").SamplingParams
@@ -40,8 +40,8 @@ def alone(tiny_model_dir, reference_prompts):
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_16_concurrent_clients_get_chapter_12s_answers(tiny_model_dir, reference_prompts, alone, quant, prefix_caching):
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=2 << 20, quant=quant,
-                                         group_size=32, prefix_caching=prefix_caching, max_num_batched_tokens=64)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=2 << 20, quant=quant,
+                 group_size=32, prefix_caching=prefix_caching, max_num_batched_tokens=64)
     app = server.make_app(engine)
     texts = prompts(reference_prompts)
 
@@ -72,13 +72,13 @@ def test_options_are_checked_before_loading(tmp_path):
                              ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "must be >= max_num_seqs"),
                              ({"tensor_parallel_size": 0}, "tensor_parallel_size must be")):
         with pytest.raises(ValueError, match=message):
-            cb.ContinuousBatchingEngine(str(tmp_path / "no-model-here"), device="cpu", **options)
+            LLM(str(tmp_path / "no-model-here"), device="cpu", **options)
     with pytest.raises(ValueError, match="cannot load"):
         engines.load_object("no_such_module:thing")
 
 
 def test_reset_forgets_the_cache_the_scheduler_uses(tiny_model_dir, reference_prompts):
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=2 << 20, prefix_caching=True)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=2 << 20, prefix_caching=True)
     try:
         prompt = SYSTEM + reference_prompts[0]
         engine.generate(prompt, 4)

@@ -146,7 +146,7 @@ def fake_world(monkeypatch, tmp_path):
     clock, calls = FakeClock(), []
     classes = {"fake:FakeEngine": FakeEngine, "fake:FakeLoopEngine": FakeLoopEngine}
     monkeypatch.setattr(offline, "time", clock)
-    monkeypatch.setattr(offline.engine_mod, "load_engine", lambda spec, model, device: classes[spec](clock, calls))
+    monkeypatch.setattr(offline, "load_engine", lambda spec, model, device: classes[spec](clock, calls))
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": [{"text": "a"}, {"text": "bb"}, {"text": "cccc"}]}))
     return calls, str(prompts)
@@ -210,18 +210,20 @@ def test_engine_labels_disambiguate_repeats():
     assert bench.engine_labels(["04_engine:BaselineEngine", "07_decode_loop:DecodeLoopEngine",
                                 "04_engine:BaselineEngine"]) == ["BaselineEngine", "DecodeLoopEngine",
                                                                  "BaselineEngine#2"]
+    assert bench.engine_labels(["q:QuantizedEngine --quant int8", "q:QuantizedEngine  --quant int4"]) == \
+        ["QuantizedEngine --quant int8", "QuantizedEngine --quant int4"]   # a spec's own flags tell them apart
 
 
 # --- the engine's feature flags ---------------------------------------------------------------
 
 def test_engine_flags_reach_every_engine_and_only_those_given(fake_world, monkeypatch):
     _, prompts = fake_world
-    fake_load, loaded = offline.engine_mod.load_engine, []
+    fake_load, loaded = offline.load_engine, []
 
     def load(spec, model, device=None, **options):
         loaded.append((spec, options))
         return fake_load(spec, model, device)
-    monkeypatch.setattr(offline.engine_mod, "load_engine", load)
+    monkeypatch.setattr(offline, "load_engine", load)
     argv = ["--engine", "fake:FakeEngine", "--engine", "fake:FakeLoopEngine", "--prompts", prompts,
             "--max-new-tokens", "1", "--runs", "1", "--warmup", "0"]
     offline.main(argv)
@@ -238,6 +240,21 @@ def test_an_engine_without_the_feature_is_refused_in_one_line(capsys):
         offline.main(["--engine", "04_engine:BaselineEngine", "--kv-memory", "64MB"])
     err = capsys.readouterr().err
     assert "04_engine:BaselineEngine does not take kv_memory" in err and "Traceback" not in err
+
+
+def test_one_run_compares_formats_each_named_by_a_spec_of_its_own(tiny_model_dir, monkeypatch):
+    """Chapter 12 side by side: flags inside a quoted spec are that engine's, the others every engine's."""
+    built, real = [], offline.load_engine
+    monkeypatch.setattr(offline, "load_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    specs = ["16_quantization_engine:QuantizedEngine --quant int8",
+             "16_quantization_engine:QuantizedEngine --quant int4 --group-size 32"]
+    result = offline.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-prompts", "1", "--runs", "1",
+                           "--warmup", "0", "--max-new-tokens", "2", "--max-num-seqs", "4",
+                           *[word for spec in specs for word in ("--engine", spec)]])
+    assert [s.name for s in result["stats"]] == ["QuantizedEngine --quant int8",
+                                                 "QuantizedEngine --quant int4 --group-size 32"]
+    assert [e.quant.split()[0] for e in built] == ["int8", "int4"] and [e.max_num_seqs for e in built] == [4, 4]
+    assert result["config"]["engine"] == specs and result["config"]["model"] == str(tiny_model_dir)
 
 
 # --- the committed workload and a small real run ----------------------------------------------
@@ -375,6 +392,9 @@ class FakeStaticEngine(FakeEngine):
 class FakeSubmitEngine(FakeEngine):
     """An engine loop: every submitted request runs at once and is done after 100 ms per own token."""
 
+    def capabilities(self):
+        return super().capabilities().replace(schedules_itself=True)
+
     def submit(self, prompt, max_new_tokens, params=None):
         self.calls.append(("submit", prompt, max_new_tokens))
         finish, clock = self.clock.now + 0.1 * max_new_tokens, self.clock
@@ -432,7 +452,7 @@ def mixed_world(monkeypatch):
         engine.tokenizer = CharTokenizer()
         return engine
     monkeypatch.setattr(offline, "time", clock)
-    monkeypatch.setattr(offline.engine_mod, "load_engine", load)
+    monkeypatch.setattr(offline, "load_engine", load)
     return calls
 
 

@@ -258,11 +258,11 @@ def test_bad_flags_are_refused_with_the_reason(argv, message, capsys):
 # --- the engine's feature flags, passed on to the servers launched ----------------------------
 
 def test_engine_options_become_the_servers_flags():
-    cmd = launcher.server_command(8123, "m", "13_continuous_batching_engine:ContinuousBatchingEngine", "cpu",
+    cmd = launcher.server_command(8123, "m", "minivllm:LLM", "cpu",
                                   {"kv_memory": 268435456, "prefix_caching": True, "max_num_seqs": 8,
                                    "quant": "int4", "block_size": None}, args=("--api-key", "k"))
     assert cmd[1:] == [str(launcher.SERVER_SCRIPT), "--host", "127.0.0.1", "--port", "8123",
-                       "--engine", "13_continuous_batching_engine:ContinuousBatchingEngine", "--model", "m",
+                       "--engine", "minivllm:LLM", "--model", "m",
                        "--device", "cpu", "--kv-memory", "268435456", "--prefix-caching", "--max-num-seqs", "8",
                        "--quant", "int4", "--api-key", "k"]        # None: not given, the engine's default
     assert launcher.server_command(1) == launcher.server_command(1, engine_options={})

@@ -136,7 +136,7 @@ def screenshot_script():
     return module
 
 
-CB_ENGINE = "13_continuous_batching_engine:ContinuousBatchingEngine"
+CB_ENGINE = "minivllm:LLM"
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import load_script
+from minivllm import LLM
 
 compile17 = load_script("17_compile")
 model10 = load_script("10_model")
 paged = load_script("11_paged_kv")
-cb = load_script("13_continuous_batching_engine")
 SamplingParams = load_script("03_contracts").SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -172,8 +172,8 @@ def test_engine_with_compile_answers_as_without(tiny_model_dir, reference_prompt
     texts = [system + p for p in reference_prompts[:6]] + reference_prompts[:2]
     answers = []
     for compile_ in (False, True):
-        engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=96 << 10, block_size=4,
-                                             prefix_caching=True, max_num_batched_tokens=48, compile=compile_)
+        engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=96 << 10, block_size=4,
+                     prefix_caching=True, max_num_batched_tokens=48, compile=compile_)
         assert engine.features()["compile"] is compile_
         results = engine.generate_batch(texts, 16, SamplingParams(ignore_eos=True))
         answers.append([r.output_ids for r in results])
@@ -184,9 +184,9 @@ def test_engine_with_compile_answers_as_without(tiny_model_dir, reference_prompt
 
 def test_bad_compile_settings_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="compile must be True or False"):
-        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, compile="yes")
+        LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, compile="yes")
     with pytest.raises(ValueError, match="tensor_parallel_size"):   # compile stacks with a shard, not with a bad size
-        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", compile=True, tensor_parallel_size=0)
+        LLM(str(tiny_model_dir), device="cpu", compile=True, tensor_parallel_size=0)
 
 
 def test_compiling_leaves_the_process_wide_shape_setting_alone(tiny_model_dir):

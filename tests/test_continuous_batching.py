@@ -3,7 +3,7 @@
 The scheduler tests drive `13_scheduler.Scheduler` over a real BlockManager with fake sequences:
 a fake step marks the scheduled tokens computed and appends a token to every request whose known
 tokens are all computed, exactly what the engine's step does with a model in the middle.
-The engine tests compare `ContinuousBatchingEngine` with `04_engine.BaselineEngine` token for token.
+The engine tests compare the assembled engine (`minivllm.LLM`) with `04_engine.BaselineEngine` token for token.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 import pytest
 
 from conftest import load_script
+from minivllm import LLM
 
 paged = load_script("11_paged_kv")
 sched13 = load_script("13_scheduler")
-cb13 = load_script("13_continuous_batching_engine")
 SamplingParams = load_script("03_contracts").SamplingParams
 
 
@@ -284,7 +284,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one to
 
 
 def make_engine(folder, **kwargs):
-    return cb13.ContinuousBatchingEngine(str(folder), device="cpu", **kwargs)
+    return LLM(str(folder), device="cpu", **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +385,7 @@ def test_requests_built_first_and_submitted_together_share_their_first_step(room
     for p, n, r, got in zip(PROMPTS[:4], (6, 6, 6, 4), requests, results):
         assert_same(got, expected(p, n))
         assert roomy.output.result(r).output_ids == got.output_ids and r.finish_reason == got.finish_reason
-    assert roomy.features() == {"engine": "ContinuousBatchingEngine", "quant": "float32", "max_num_seqs": 8,
+    assert roomy.features() == {"engine": "LLM", "quant": "float32", "max_num_seqs": 8,
                                 "kv_memory": roomy.pool.nbytes, "block_size": 16, "prefix_caching": False,
                                 "max_num_batched_tokens": 256, "compile": False}
     assert_idle(roomy)

@@ -167,24 +167,53 @@ def test_load_engine_builds_any_engine_and_refuses_nonsense(tiny_model_dir):
             engine_mod.load_engine(spec, str(tiny_model_dir), device="cpu")
 
 
-def test_every_moved_engine_spec_still_loads_to_its_new_class(tiny_model_dir):
-    """Specs in notes and earlier captures name the files engines used to live in: load_engine resolves
-    each through MOVED_ENGINES to the class its new spec names (the old file is gone or no longer has it)."""
-    import importlib.util
+def test_a_spec_carries_flags_of_its_own_and_they_win_for_that_engine(tiny_model_dir):
+    """`--engine "module:Class --flag value"`: the command line's engine flags, read the same way, for
+    that engine alone (a benchmark compares int8 with int4 so); a bad one is a ValueError naming the spec."""
+    from kit import engines
 
-    assert engine_mod.MOVED_ENGINES
-    for old, new in engine_mod.MOVED_ENGINES.items():
-        module, _, name = new.partition(":")
-        old_module, _, old_name = old.partition(":")
-        assert old_name == name, old
-        assert importlib.util.find_spec(old_module) is None or not hasattr(load_script(old_module), name), old
-        engine = engine_mod.load_engine(old, str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
+    assert engines.split_spec("16_quantization_engine:QuantizedEngine --quant int4 --group-size 64") == \
+        ("16_quantization_engine:QuantizedEngine", {"quant": "int4", "group_size": 64})
+    assert engines.split_spec("minivllm:LLM") == ("minivllm:LLM", {})
+    engine = engine_mod.load_engine("16_quantization_engine:QuantizedEngine --quant int4", str(tiny_model_dir),
+                                    device="cpu", quant="int8", max_num_seqs=3)   # the shared flags
+    assert engine.quant.startswith("int4") and engine.max_num_seqs == 3
+    for bad in ("04_engine:BaselineEngine --quant int3", "04_engine:BaselineEngine --no-such-flag",
+                "04_engine:BaselineEngine --quant", '04_engine:BaselineEngine "', "  "):
+        with pytest.raises(ValueError, match="engine spec"):
+            engine_mod.load_engine(bad, str(tiny_model_dir), device="cpu")
+    with pytest.raises(ValueError, match="04_engine:BaselineEngine does not take quant"):
+        engine_mod.load_engine("04_engine:BaselineEngine --quant int4", str(tiny_model_dir), device="cpu")
+
+
+def test_every_engine_states_what_it_can_do_in_one_record(tiny_model_dir):
+    """capabilities(): the contract alone by default, and each chapter's engine says what it adds."""
+    from minivllm.contracts import EngineCapabilities
+
+    assert engine_mod.BaseOfflineEngine.capabilities(None) == EngineCapabilities()
+    assert not any([EngineCapabilities().streams, EngineCapabilities().schedules_itself])
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        EngineCapabilities(max_batch_size=0)
+    with pytest.raises(TypeError):
+        EngineCapabilities().replace(submits=True)
+    folder = str(tiny_model_dir)
+    added = [(engine_mod.load_engine("04_engine:BaselineEngine", folder, device="cpu"),
+              dict(streams=True, checks_prompts=True, max_batch_size=None, schedules_itself=False)),
+             (load_script("09_static_batching").StaticBatchEngine(folder, device="cpu", max_batch_size=5),
+              dict(streams=True, checks_prompts=True, max_batch_size=5, schedules_itself=False)),
+             (engine_mod.load_engine("10_model_engine:ModelEngine --max-num-seqs 3", folder, device="cpu"),
+              dict(streams=True, checks_prompts=False, max_batch_size=3, schedules_itself=False)),
+             (engine_mod.load_engine("minivllm:LLM --max-num-seqs 4 --kv-memory 1MB", folder, device="cpu"),
+              dict(streams=True, max_batch_size=None, schedules_itself=True, max_num_seqs=4))]
+    for engine, fields in added:
         try:
-            assert type(engine) is getattr(load_script(module), name), old
-            assert type(engine_mod.load_engine(new, str(tiny_model_dir), device="cpu", kv_memory=1 << 20)) \
-                is type(engine)
+            can = engine.capabilities()
+            assert {name: getattr(can, name) for name in fields} == fields, type(engine)
+            assert can.accepts_token_ids and can.context_length == engine.context_length, type(engine)
+            assert can.model_name == folder and can.device == "cpu", type(engine)
+            assert (can.token_capacity is not None) == can.schedules_itself, type(engine)
         finally:
-            getattr(engine, "close", lambda: None)()
+            engine.close()
 
 
 def test_tokenize_checks_a_prompt_and_takes_token_ids_as_they_are(tiny_engine):
@@ -273,8 +302,7 @@ def test_threads_flag_sets_torch_threads_and_refuses_zero():
 @pytest.mark.parametrize("spec", ["04_engine:BaselineEngine", "07_decode_loop:DecodeLoopEngine",
                                   "09_static_batching:StaticBatchEngine", "10_model_engine:ModelEngine",
                                   "11_paged_kv_engine:PagedEngine", "12_prefix_cache_engine:PrefixCachingEngine",
-                                  "13_continuous_batching_engine:ContinuousBatchingEngine",
-                                  "16_quantization_engine:Int8Engine"])
+                                  "minivllm:LLM", "16_quantization_engine:QuantizedEngine --quant int8"])
 def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_dir):
     """The same refusals through every chapter's engine, single and batch: never a TypeError from
     deep inside, never a silent default, never a request without an end (NaN fails every comparison)."""
@@ -295,7 +323,7 @@ def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_di
                 engine.generate_batch(["Hello"], 2, params)
         assert engine.generate("Hello", 2, None).output_ids == engine.generate("Hello", 2, SamplingParams()).output_ids
     finally:
-        getattr(engine, "close", lambda: None)()
+        engine.close()
 
 
 def test_metrics_print_with_their_units_and_an_unknown_one_is_refused():

@@ -1,4 +1,4 @@
-"""GET /engine/scheduler and ContinuousBatchingEngine.snapshot(): what the classroom page draws.
+"""GET /engine/scheduler and LLM.snapshot(): what the classroom page draws.
 
 The page polls by step number (`since`), so every step is drawn once; rows and blocks are
 bounded; one snapshot serves every poll for a quarter of a second; an engine without a
@@ -16,16 +16,16 @@ from fastapi.testclient import TestClient
 
 from conftest import load_script
 from kit import engine_view
+from minivllm import LLM
 
 server = load_script("05_server")
-cb = load_script("13_continuous_batching_engine")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
-                                         max_num_seqs=8, max_num_batched_tokens=32, prefix_caching=True)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                 max_num_seqs=8, max_num_batched_tokens=32, prefix_caching=True)
     yield engine
     engine.close()
 
@@ -75,8 +75,9 @@ def test_snapshot_shows_each_state_and_the_blocks_owners(engine):
 def test_snapshot_is_bounded(engine):
     reqs = [engine.new_request([7, 8, 9], 3) for _ in range(5)]
     with engine._cv:                                    # the loop may not be stepping while we read
-        snap = engine_view.describe(engine.scheduler, engine.blocks, [(time.perf_counter(), {"id": r.id})
-                                    for r in reqs], [], 0, [], time.perf_counter(), max_rows=2, max_blocks=3)
+        finished = [(time.perf_counter(), {"id": r.id}) for r in reqs]
+        snap = engine_view.scheduler_snapshot(engine.scheduler, engine.blocks, finished, [], 0, [],
+                                              time.perf_counter(), max_rows=2, max_blocks=3)
     assert len(snap["rows"]) == 2 and snap["rows_total"] == 5
     assert snap["blocks"]["shown"] == 3 and len(snap["blocks"]["owner"]) == 3
     assert snap["blocks"]["total"] == engine.blocks.num_blocks

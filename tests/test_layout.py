@@ -25,8 +25,7 @@ The rules (README, "Layout: where things live"):
 - every numbered script defines its own `main()` and ends with the
   `if __name__ == "__main__": main()` idiom;
 - an `--engine` spec `module:Class` (in the README, the book, scripts/ and tests/) names the
-  file that defines the engine class, after the old-spec table `MOVED_ENGINES` in
-  `kit/engines.py` (when there is one) has been applied.
+  file that defines the engine class: there is no table of old names.
 """
 
 from __future__ import annotations
@@ -45,10 +44,8 @@ PACKAGE_ROOT = {"minivllm", "minivllm.llm"}                 # the composition ro
 ROOT_CHAPTER = 9                                            # where the book assembles the engine
 DOC_CHAPTER = re.compile(r"^Chapters? (\d+)")
 ENGINE_ROOT_CLASS = "BaseOfflineEngine"
-LOADER = "kit.engines"       # the engine loader's module, home of MOVED_ENGINES
-ALIAS_TABLE = "MOVED_ENGINES"
 NUMBERED = re.compile(r"^(\d\d)_\w+$")
-# A spec such as `10_model:ModelEngine`: a numbered module, a colon, a class name.
+# A spec such as `10_model_engine:ModelEngine`: a numbered module, a colon, a class name.
 SPEC = re.compile(r"(?<![\w.])(\d\d_\w+):([A-Za-z_]\w*)")
 
 
@@ -545,59 +542,6 @@ def engine_classes() -> frozenset[str]:
     return frozenset(name for name in bases if name != ENGINE_ROOT_CLASS and is_engine(name))
 
 
-# What a static table may be built from: literals, f-strings, `+`, `**` and comprehensions
-# over literals. No calls, no attributes, no names from outside the expression.
-_STATIC_NODES = (ast.Expression, ast.Dict, ast.DictComp, ast.ListComp, ast.SetComp, ast.comprehension,
-                 ast.Tuple, ast.List, ast.Set, ast.Constant, ast.JoinedStr, ast.FormattedValue,
-                 ast.Name, ast.Load, ast.Store, ast.BinOp, ast.Add)
-
-
-def _static_value(node: ast.expr):
-    """The value of a constant expression such as a dict built with ** and a comprehension."""
-    expression = ast.Expression(node)
-    for sub in ast.walk(expression):
-        if not isinstance(sub, _STATIC_NODES):
-            raise ValueError(f"it uses {type(sub).__name__} at line {getattr(sub, 'lineno', '?')}")
-    bound = {t.id for sub in ast.walk(expression) if isinstance(sub, ast.comprehension)
-             for t in ast.walk(sub.target) if isinstance(t, ast.Name)}
-    free = {sub.id for sub in ast.walk(expression)
-            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in bound}
-    if free:
-        raise ValueError(f"it reads the name(s) {', '.join(sorted(free))}")
-    try:
-        return eval(compile(ast.fix_missing_locations(expression), "<static>", "eval"), {"__builtins__": {}})
-    except Exception as exc:   # e.g. a comprehension over a literal that does not iterate
-        raise ValueError(str(exc)) from None
-
-
-def _alias_table() -> tuple[dict[str, str], list[str]]:
-    """MOVED_ENGINES from 04_engine.py (old spec -> new spec), or {} while there is none."""
-    loader = modules().get(LOADER)
-    if loader is None:
-        return {}, []
-    for node in _module_scope(loader.tree.body):
-        value = None
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == ALIAS_TABLE
-                                                for t in node.targets):
-            value = node.value
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and node.target.id == ALIAS_TABLE:
-            value = node.value
-        if value is None:
-            continue
-        where = f"{loader.rel}:{node.lineno}"
-        try:
-            table = _static_value(value)
-        except ValueError as exc:
-            return {}, [f"{where}: {ALIAS_TABLE} cannot be read without running 04_engine.py ({exc}); "
-                        "keep it a dict of strings (f-strings, ** and comprehensions over literals are fine)"]
-        if not (isinstance(table, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                for k, v in table.items())):
-            return {}, [f"{where}: {ALIAS_TABLE} must be a dict of 'module:Class' -> 'module:Class'"]
-        return table, []
-    return {}, []
-
-
 def _spec_sources() -> list[Path]:
     paths = [REPO_ROOT / "README.md"]
     paths += sorted((REPO_ROOT / "book").rglob("*.md"))
@@ -626,24 +570,9 @@ def _found_specs(engines: frozenset[str]) -> dict[str, list[str]]:
 def test_engines_live_in_the_file_their_spec_names():
     mods = modules()
     engines = engine_classes()
-    table, problems = _alias_table()
     specs = _found_specs(engines)
-    for old, new in table.items():   # the table's targets must resolve too
-        specs.setdefault(new, []).append(f"{LOADER}.py {ALIAS_TABLE}[{old!r}]")
-
-    by_target: dict[str, list[str]] = {}   # resolved spec -> the specs (and where) that lead to it
-    for spec in sorted(specs):
-        resolved, hops = spec, [spec]
-        while resolved in table and len(hops) <= len(table):
-            resolved = table[resolved]
-            hops.append(resolved)
-        uses = specs[spec]
-        where = ", ".join(uses[:3]) + (f", ... {len(uses) - 3} more" if len(uses) > 3 else "")
-        via = f"{' -> '.join(hops)} via {ALIAS_TABLE}" if len(hops) > 1 else spec
-        by_target.setdefault(resolved, []).append(f"{via} [in {where}]")
-
-    offenders = list(problems)
-    for target in sorted(by_target):
+    offenders = []
+    for target in sorted(specs):
         module_name, _, cls = target.partition(":")
         module = mods.get(module_name)
         if module is None or not module.numbered:
@@ -656,7 +585,8 @@ def test_engines_live_in_the_file_their_spec_names():
             problem = f"{cls} in {module_name}.py is not an engine (its bases do not reach {ENGINE_ROOT_CLASS})"
         else:
             continue
-        offenders.append(f"{target}: {problem}\n      " + "\n      ".join(by_target[target]))
+        uses = specs[target]
+        where = ", ".join(uses[:3]) + (f", ... {len(uses) - 3} more" if len(uses) > 3 else "")
+        offenders.append(f"{target}: {problem}\n      [in {where}]")
     assert not offenders, ("an --engine spec 'module:Class' must name the file that defines the "
-                           f"engine (old specs resolve through {ALIAS_TABLE} in {LOADER}.py); "
-                           "these do not resolve:\n  " + "\n  ".join(offenders))
+                           "engine; these do not:\n  " + "\n  ".join(offenders))

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import load_script
+from minivllm import LLM
 
 pc = load_script("12_prefix_cache")
 engine12 = load_script("12_prefix_cache_engine")
@@ -361,10 +362,9 @@ CHAT = ["Why is the sky blue?", "Name three rivers.", "What is a prime number?",
 def cb_engines(tiny_model_dir):
     """Continuous batching with the cache and without; 24 blocks of 4 tokens and 8 tokens a step:
     chunked prefills, preemption and eviction all the time."""
-    cb13 = load_script("13_continuous_batching_engine")
-    made = [cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=24 * 4 * TINY_KV_BYTES_PER_TOKEN,
-                                          block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                                          prefix_caching=on) for on in (True, False)]
+    made = [LLM(str(tiny_model_dir), device="cpu", kv_memory=24 * 4 * TINY_KV_BYTES_PER_TOKEN,
+                block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                prefix_caching=on) for on in (True, False)]
     yield made
     for e in made:
         e.close()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import load_script
+from minivllm import LLM
 
 quant16 = load_script("16_quantization")
 engine16 = load_script("16_quantization_engine")
@@ -14,7 +15,6 @@ demo16 = load_script("16_quantization_demo")
 engine04 = load_script("04_engine")
 model10 = load_script("10_model")
 runner10 = load_script("10_model_runner")
-cb13 = load_script("13_continuous_batching_engine")
 
 
 def random_weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
@@ -182,12 +182,11 @@ def test_weight_format_is_a_step_from_model_to_model(tiny_model_dir, tmp_path):
             quant16.WeightFormat(**settings)
 
 
-def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch):
-    """06_benchmark and 05_server build Class(model, device=...): the mode comes from the environment."""
-    monkeypatch.setenv("ENGINE_QUANT", "int4")
-    monkeypatch.setenv("ENGINE_GROUP_SIZE", "64")
-    monkeypatch.setenv("ENGINE_QUANT_HEAD", "f32")
-    engine = engine04.load_engine("16_quantization_engine:QuantizedEngine", str(tiny_model_dir), device="cpu")
+def test_engine_through_load_engine_with_its_flags(tiny_model_dir):
+    """06_benchmark and 05_server build an engine from its spec: the format comes from its flags,
+    given beside the spec or inside it; without any, QuantizedEngine is int8."""
+    engine = engine04.load_engine("16_quantization_engine:QuantizedEngine --quant int4 --group-size 64",
+                                  str(tiny_model_dir), device="cpu", quant_head="f32")
     assert engine.quant == "int4 g64, head f32"
     assert isinstance(engine.model.w["model.layers.0.qkv"], quant16.Int4Weight)
     assert isinstance(engine.model.w["lm_head"], torch.Tensor)
@@ -196,8 +195,7 @@ def test_engine_through_load_engine_and_environment(tiny_model_dir, monkeypatch)
     batch = engine.generate_batch(["Hello", "The capital of France is"], 4,
                                   engine04.SamplingParams(ignore_eos=True))
     assert [len(r.output_ids) for r in batch] == [4, 4]
-    monkeypatch.delenv("ENGINE_QUANT_HEAD")
-    int8 = engine04.load_engine("16_quantization_engine:Int8Engine", str(tiny_model_dir), device="cpu")
+    int8 = engine04.load_engine("16_quantization_engine:QuantizedEngine", str(tiny_model_dir), device="cpu")
     assert int8.quant == "int8" and isinstance(int8.model.w["embed"], quant16.Int8Weight)
 
 
@@ -237,9 +235,9 @@ def test_continuous_batching_on_quantised_weights_equals_the_quantised_engine(
     """Chapter 9's engine with quant= (and prefix caching, chunked prefills) gives token for token what
     Chapter 12's engine of the same format gives: the format is the model the runner holds, nothing else.
     With the cache on, every prompt runs twice: the second run's prefills start after the cached blocks."""
-    engine = cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=512 * 8 * 512, block_size=8,
-                                           max_num_seqs=4, max_num_batched_tokens=32, quant=quant, group_size=32,
-                                           prefix_caching=prefix_caching)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=512 * 8 * 512, block_size=8,
+                 max_num_seqs=4, max_num_batched_tokens=32, quant=quant, group_size=32,
+                 prefix_caching=prefix_caching)
     chunks = []
     engine.on_step = lambda work, events: chunks.extend(
         0 < s < r.n_prompt for r, s in zip(work.requests, work.starts))
@@ -273,13 +271,13 @@ def test_real_model_continuous_batching_int8_equals_the_int8_engine(default_mode
     run repeats each batch. Batches are compared with batches: the packed kernels read bf16 activations,
     so a prompt alone and the same prompt next to others can part at a near-tie (reference prompts 2 and 5
     do, in Chapter 12's engine itself); given the same requests, the two engines must agree exactly."""
-    want = engine16.Int8Engine(str(default_model_dir), device="cpu")
+    want = engine16.QuantizedEngine(str(default_model_dir), device="cpu", quant="int8")
     prompt_sets = [reference_prompts[:4], [SHARED_SYSTEM + p for p in reference_prompts[:2]]]
     expected = [want.generate_batch(prompts, 16) for prompts in prompt_sets]
     assert {r.finish_reason for r in expected[0]} == {"stop", "length"}
     for prefix_caching in (False, True):
-        engine = cb13.ContinuousBatchingEngine(str(default_model_dir), device="cpu", kv_memory=64 << 20,
-                                               quant="int8", prefix_caching=prefix_caching)
+        engine = LLM(str(default_model_dir), device="cpu", kv_memory=64 << 20,
+                     quant="int8", prefix_caching=prefix_caching)
         try:
             assert engine.quant == want.quant == "int8"
             for prompts, wanted in zip(prompt_sets, expected):
@@ -294,7 +292,7 @@ def test_real_model_continuous_batching_int8_equals_the_int8_engine(default_mode
             engine.close()
 
 
-def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
+def test_bad_settings_raise_value_error(tiny_model_dir):
     with pytest.raises(ValueError, match="unknown quantisation mode"):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int3")
     with pytest.raises(ValueError, match="group size must be one of"):
@@ -304,25 +302,19 @@ def test_bad_settings_raise_value_error(tiny_model_dir, monkeypatch):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=128)
     with pytest.raises(ValueError, match="does not divide"):
         quant16.quantize_int4(torch.randn(8, 100), 32)
-    monkeypatch.setenv("ENGINE_GROUP_SIZE", "many")
-    with pytest.raises(ValueError, match="ENGINE_GROUP_SIZE"):
-        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4")
+    with pytest.raises(ValueError, match="unknown quantisation mode None"):   # a QuantizedEngine is quantised
+        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant=None)
     with pytest.raises(ValueError, match="path must be"):
         quant16.Int8Weight(torch.randn(4, 32), path="quick")
     with pytest.raises(ValueError, match="cannot read mode"):
         demo16.parse_mode("int4-q32")
-    monkeypatch.delenv("ENGINE_GROUP_SIZE")
-    with pytest.raises(ValueError, match="unknown head format"):
+    with pytest.raises(ValueError, match="unknown head format 'int3'"):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8", quant_head="int3")
-    monkeypatch.setenv("ENGINE_QUANT_HEAD", "yes")
-    with pytest.raises(ValueError, match="unknown head format 'yes'"):
-        engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8")
     # Every engine from Chapter 6 on takes the same keywords, checked the same way.
-    with pytest.raises(ValueError, match="quant must be one of bf16, int8, w8a8, int4"):
-        cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int3")
+    with pytest.raises(ValueError, match="quant must be one of bf16, fp16, int8, w8a8, int4"):
+        LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int3")
     with pytest.raises(ValueError, match="group_size must be one of"):
-        cb13.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int4",
-                                      group_size=48)
+        LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int4", group_size=48)
     assert demo16.parse_mode("int4-g64-int4head") == ("int4", 64, "int4")
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from conftest import load_script
+from minivllm import LLM
 
 sampling = load_script("02_sampling")
 contracts = load_script("03_contracts")
@@ -199,7 +200,7 @@ def test_a_batch_samples_each_row_as_if_alone(tiny_loop):
 
 @pytest.mark.parametrize("spec", ["10_model_engine:ModelEngine", "11_paged_kv_engine:PagedEngine",
                                   "12_prefix_cache_engine:PrefixCachingEngine",
-                                  "13_continuous_batching_engine:ContinuousBatchingEngine"])
+                                  "minivllm:LLM"])
 def test_engines_on_our_own_model_honour_every_control(spec, tiny_model_dir, tiny_engine, reference_prompts):
     """Chapters 6-9 sample through the same Request: penalties (repetition covers the prompt,
     so each engine must hand its prompt ids over) and bias give the baseline's tokens."""
@@ -212,7 +213,7 @@ def test_engines_on_our_own_model_honour_every_control(spec, tiny_model_dir, tin
         assert [r.output_ids for r in batch] == [tiny_engine.generate(p, N_NEW, params).output_ids
                                                  for p in reference_prompts[:3]]
     finally:
-        getattr(engine, "close", lambda: None)()
+        engine.close()
 
 
 @pytest.mark.parametrize("engine_name", ["baseline", "decode_loop", "batching"])
@@ -226,8 +227,7 @@ def test_logprobs_end_where_the_text_ends_at_a_stop_string(tiny_model_dir, engin
     elif engine_name == "decode_loop":
         engine = load_script("07_decode_loop").DecodeLoopEngine(str(tiny_model_dir), device="cpu")
     else:
-        engine = load_script("13_continuous_batching_engine").ContinuousBatchingEngine(
-            str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
+        engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
     try:
         free = engine.generate("Count: 1, 2, 3,", 24, SamplingParams(ignore_eos=True))
         stop = engine.tokenizer.decode(free.output_ids[8:11])
@@ -238,7 +238,7 @@ def test_logprobs_end_where_the_text_ends_at_a_stop_string(tiny_model_dir, engin
         shorter = engine.tokenizer.decode(cut.output_ids[:len(cut.logprobs) - 1], skip_special_tokens=True)
         assert len(shorter) < len(cut.text)     # one entry fewer would not cover the text
     finally:
-        getattr(engine, "close", lambda: None)()
+        engine.close()
 
 
 def test_a_batch_samples_on_the_device_what_chapter_1s_sampler_draws_row_by_row():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import re
 import threading
 import time
 
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from conftest import load_script
 from kit import server_ops as ops_lib
+from minivllm.contracts import BaseOfflineEngine, EngineCapabilities
 
 server = load_script("05_server")
 contracts = load_script("03_contracts")
@@ -37,8 +39,9 @@ def sse_events(text: str) -> list:
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
-class RecordingEngine:
-    """Another 'engine' with no generate_stream: records the prompts it is given."""
+class RecordingEngine(BaseOfflineEngine):
+    """Another engine, whose record says nothing beyond the contract (no streaming, text prompts):
+    records the prompts it is given."""
 
     def __init__(self, inner):
         self.inner, self.tokenizer, self.prompts = inner, inner.tokenizer, []
@@ -133,6 +136,9 @@ def test_completions_single_list_and_stream(client, tiny_engine):
 
 class CheckingEngine(RecordingEngine):
     """A RecordingEngine with Chapter 1's checks (encode), which the server runs on a whole list first."""
+
+    def capabilities(self):
+        return super().capabilities().replace(checks_prompts=True)
 
     def encode(self, prompt, max_new_tokens):
         return self.inner.encode(prompt, max_new_tokens)
@@ -319,7 +325,12 @@ def test_an_engine_crash_is_a_json_500_and_the_server_lives_on(tiny_engine):
         assert c.get("/health").status_code == 200
 
 
-class FailingStreamEngine(RecordingEngine):
+class StreamingEngine(RecordingEngine):
+    def capabilities(self):
+        return super().capabilities().replace(streams=True)
+
+
+class FailingStreamEngine(StreamingEngine):
     def generate_stream(self, prompt, max_new_tokens, params=None):
         yield "partial"
         raise RuntimeError("lost the GPU mid-stream")
@@ -338,7 +349,7 @@ def test_an_engine_failing_mid_stream_ends_the_stream_with_an_error_event(tiny_e
         assert c.get("/health").status_code == 200
 
 
-class EndlessEngine(RecordingEngine):
+class EndlessEngine(StreamingEngine):
     """Streams forever until its iterator is closed, like a long generation."""
 
     def __init__(self, inner):
@@ -410,7 +421,9 @@ def test_a_client_that_hangs_up_closes_the_engine_iterator_and_frees_the_queue(t
 
 class SlowBatchEngine(RecordingEngine):
     """Batches of two that take a while each: what a hang-up must stop is the batches not yet begun."""
-    max_batch_size = 2
+
+    def capabilities(self):
+        return super().capabilities().replace(max_batch_size=2)
 
     def generate_batch(self, prompts, max_new_tokens, params=None):
         time.sleep(0.3)
@@ -453,17 +466,21 @@ class CountingTokenizer:
         return getattr(self.inner, name)
 
 
-class ContractBatchingEngine:
+class ContractBatchingEngine(BaseOfflineEngine):
     """Chapter 9's interface as the server uses it, over the tiny engine: new_request takes text or
     token ids and refuses bad input, submit_all hands built requests over in one go, stats() counts
     the scheduler's queue. It records what it was given."""
 
-    accepts_token_ids = True
+    seats = None
+
+    def capabilities(self):
+        return EngineCapabilities(context_length=self.context_length, accepts_token_ids=True,
+                                  schedules_itself=True, max_num_seqs=self.seats)
 
     def __init__(self, inner, waiting: int = 0):
         self.inner, self.context_length, self.waiting = inner, inner.context_length, waiting
         self.tokenizer = CountingTokenizer(inner.tokenizer)
-        self.built, self.handed = [], []
+        self.built, self.handed, self.generated = [], [], []
 
     def new_request(self, prompt, max_new_tokens, params=None):
         self.built.append(prompt)
@@ -474,17 +491,75 @@ class ContractBatchingEngine:
         if len(ids) + budget > self.context_length:
             raise ValueError(f"This model's maximum context length is {self.context_length} tokens "
                              f"({len(ids)} in the prompt, {budget} for the completion).")
-        return self.inner.tokenizer.decode(ids), budget, params
+        return BuiltRequest(self.inner.tokenizer.decode(ids), budget, params)
 
     def submit_all(self, requests):
         self.handed.append(len(requests))
-        return [self.inner.generate_stream(*r) for r in requests]
+        return [self.inner.generate_stream(r.prompt, r.budget, r.params) for r in requests]
 
     def submit(self, prompt, max_new_tokens, params=None):
         return self.submit_all([self.new_request(prompt, max_new_tokens, params)])[0]
 
     def stats(self):
         return {"waiting": self.waiting}
+
+    def generate(self, prompt, max_new_tokens, params=None):
+        self.generated.append(prompt)
+        *_, result = self.submit(prompt, max_new_tokens, params)
+        return result
+
+    def generate_batch(self, prompts, max_new_tokens, params=None):
+        return [self.generate(p, max_new_tokens, params) for p in prompts]
+
+
+class BuiltRequest:
+    """What ContractBatchingEngine.new_request builds: the prompt as text, its budget, the tokens made."""
+
+    def __init__(self, prompt, budget, params):
+        self.prompt, self.budget, self.params, self.new_ids = prompt, budget, params, []
+
+
+class QuietStreamEngine(RecordingEngine):
+    """Has a generate_stream, but its record does not say it streams: the server must not call it."""
+
+    def generate_stream(self, prompt, max_new_tokens, params=None):
+        raise AssertionError("the server called generate_stream on an engine that does not stream")
+
+
+class UnstatedLoopEngine(ContractBatchingEngine):
+    """Has submit_all and new_request, but its record does not say it schedules itself."""
+
+    def capabilities(self):
+        return super().capabilities().replace(schedules_itself=False)
+
+
+def test_the_server_serves_what_the_record_states_not_what_methods_exist(tiny_engine):
+    quiet = QuietStreamEngine(tiny_engine)
+    with TestClient(server.make_app(quiet)) as c:
+        events = sse_events(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "stream": True}).text)
+    assert events[-1] == "[DONE]" and quiet.prompts == ["Hi"]   # through generate, as one chunk
+    for engine_class, scheduled in ((ContractBatchingEngine, True), (UnstatedLoopEngine, False)):
+        engine = engine_class(tiny_engine)
+        with TestClient(server.make_app(engine)) as c:
+            assert c.post("/v1/completions", json={"prompt": ["Hi", "Sea"], "max_tokens": 2}).status_code == 200
+        # stated: both prompts handed over in one go; unstated: one generate each, behind the lock
+        assert (engine.handed, len(engine.generated)) == (([2], 0) if scheduled else ([1, 1], 2))
+
+
+# The server and the benchmarks learn what an engine can do from its record alone: a probe of the
+# engine's attributes would serve an engine for what it happens to have, not for what it states.
+PROBE = re.compile(r"\bhasattr\(|getattr\(\s*(self\.)?engines?\b|callable\(\s*getattr\(")
+READERS_OF_THE_RECORD = ("05_server.py", "kit/server_ops.py", "kit/engine_view.py", "06_benchmark_offline.py",
+                         "06_benchmark_online.py", "kit/bench.py", "kit/suite.py")
+
+
+@pytest.mark.parametrize("path", READERS_OF_THE_RECORD)
+def test_the_server_and_the_benchmarks_never_probe_an_engine(path):
+    from conftest import REPO_ROOT
+
+    lines = (REPO_ROOT / path).read_text(encoding="utf-8").splitlines()
+    probes = [f"{path}:{n}: {line.strip()}" for n, line in enumerate(lines, 1) if PROBE.search(line)]
+    assert not probes, "read engine.capabilities() instead:\n" + "\n".join(probes)
 
 
 def test_a_batching_engine_gets_each_prompt_tokenised_once(tiny_engine):
@@ -568,7 +643,7 @@ def test_uvicorn_factory_refuses_a_model_that_does_not_load(tmp_path, monkeypatc
 
 class SeatedEngine(ContractBatchingEngine):
     """A batching engine with max_num_seqs seats, whose stats() say how many run and wait."""
-    max_num_seqs = 8
+    seats = 8
 
     def __init__(self, inner, running: int, waiting: int):
         super().__init__(inner, waiting)
@@ -656,7 +731,8 @@ def test_every_engine_that_takes_ids_gets_a_chat_tokenised_once(tiny_engine, mon
     given = []
     encode = type(tiny_engine).encode
     monkeypatch.setattr(tiny_engine, "encode", lambda prompt, n: (given.append(prompt), encode(tiny_engine, prompt, n))[1])
-    monkeypatch.setattr(tiny_engine, "accepts_token_ids", takes_ids)
+    stated = tiny_engine.capabilities().replace(accepts_token_ids=takes_ids)
+    monkeypatch.setattr(tiny_engine, "capabilities", lambda: stated)
     messages = [{"role": "user", "content": FORGED}]
     with TestClient(server.make_app(tiny_engine)) as c:
         r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})

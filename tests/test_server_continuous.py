@@ -1,4 +1,4 @@
-"""05_server.py in front of Chapter 9's ContinuousBatchingEngine: live requests share steps.
+"""05_server.py in front of Chapter 9's engine, minivllm.LLM: live requests share steps.
 
 An engine with `submit` gets no server-side lock: every request goes straight into its
 scheduler. These tests check what that must not break: each concurrent answer equals its
@@ -21,12 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import load_script
 from kit import cli
+from minivllm import LLM
+from minivllm.output import Request
 from test_server import asgi_request
 
 server = load_script("05_server")
 server_ops = importlib.import_module("kit.server_ops")
 launcher = importlib.import_module("kit.launcher")
-cb = load_script("13_continuous_batching_engine")
 engine_lib = load_script("04_engine")
 
 QUESTIONS = ["Hello! Who are you?", "Name three colours.", "What is 2 + 2?", "Write a haiku about tea.",
@@ -36,8 +37,8 @@ QUESTIONS = ["Hello! Who are you?", "Name three colours.", "What is 2 + 2?", "Wr
 @pytest.fixture(scope="module")
 def cb_engine(tiny_model_dir):
     # Small enough that prompts are chunked (64-token budget) and a step carries many sequences.
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
-                                         max_num_seqs=16, max_num_batched_tokens=64)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                 max_num_seqs=16, max_num_batched_tokens=64)
     yield engine
     engine.close()   # ends the engine loop's thread
 
@@ -143,7 +144,7 @@ def test_200_requests_leave_no_blocks_and_no_requests_behind(cb_engine):
     # found); a leak would keep a share of the 200, so the bound stays far below that.
     for _ in range(50):
         gc.collect()
-        alive = [o for o in gc.get_objects() if type(o) is cb.Request]
+        alive = [o for o in gc.get_objects() if type(o) is Request]
         if len(alive) <= 1:
             break
         time.sleep(0.1)
@@ -176,8 +177,8 @@ def test_a_list_of_prompts_runs_together_and_equals_one_by_one(cb_engine):
 
 
 def test_max_waiting_bounds_the_schedulers_queue(tiny_model_dir):
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
-                                         max_num_seqs=1, max_num_batched_tokens=64)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                 max_num_seqs=1, max_num_batched_tokens=64)
     ops = server_ops.ServerOps(max_waiting=1)
     busy = [engine.submit("A long one.", 300, engine_lib.SamplingParams(ignore_eos=True)) for _ in range(3)]
     try:
@@ -199,8 +200,8 @@ def test_max_waiting_bounds_the_schedulers_queue(tiny_model_dir):
 
 def test_a_list_counts_against_max_waiting_and_leaves_nothing_behind(tiny_model_dir):
     """A list is admitted whole: all of its prompts count against the scheduler's queue."""
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
-                                         max_num_seqs=1, max_num_batched_tokens=64)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                 max_num_seqs=1, max_num_batched_tokens=64)
     with TestClient(server.make_app(engine, ops=server_ops.ServerOps(max_waiting=1))) as client:
         refused = client.post("/v1/completions", json={"prompt": ["Hi", "Hello", "Hey"], "max_tokens": 2})
         assert refused.status_code == 503
@@ -224,7 +225,7 @@ def test_engine_flags_reach_the_engine_and_are_refused_by_others(tiny_model_dir)
     args = server.arguments().parse_args(["--kv-memory", "2MB", "--max-num-seqs", "4", "--prefix-caching"])
     options = cli.engine_options(args)
     assert options == {"kv_memory": 2 << 20, "max_num_seqs": 4, "prefix_caching": True}
-    engine = engine_lib.load_engine("13_continuous_batching_engine:ContinuousBatchingEngine", str(tiny_model_dir),
+    engine = engine_lib.load_engine("minivllm:LLM", str(tiny_model_dir),
                                     device="cpu", **options)
     assert engine.scheduler.max_num_seqs == 4 and engine.blocks.num_blocks == (2 << 20) // (512 * 16)
     assert type(engine.blocks).__name__ == "PrefixCachingBlockManager"
@@ -240,7 +241,7 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
     questions = QUESTIONS
     expected = [real_engine.generate(engine_lib.render_chat(real_engine.tokenizer, [{"role": "user", "content": q}]),
                                      12).text for q in questions]
-    with launcher.serve_in_subprocess(model=str(default_model_dir), engine="13_continuous_batching_engine:ContinuousBatchingEngine",
+    with launcher.serve_in_subprocess(model=str(default_model_dir), engine="minivllm:LLM",
                                     device="cpu", args=("--kv-memory", "64MB")) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
 
@@ -268,8 +269,8 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
 def test_a_burst_that_fits_seats_and_max_waiting_is_all_admitted(tiny_model_dir):
     """8 seats + --max-waiting 8: 16 requests at once all fit, though most are still on their way
     into the scheduler (handed over, prefilled a chunk at a time) when the last ones arrive."""
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
-                                         max_num_seqs=8, max_num_batched_tokens=64)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20,
+                 max_num_seqs=8, max_num_batched_tokens=64)
     app = server.make_app(engine, ops=server_ops.ServerOps(max_waiting=8))
 
     async def burst(n: int) -> list[int]:
@@ -290,8 +291,8 @@ def test_a_burst_that_fits_seats_and_max_waiting_is_all_admitted(tiny_model_dir)
 def test_without_max_tokens_a_small_pool_still_answers_a_short_prompt(tiny_model_dir):
     """The default budget (128, or what the context leaves) is clamped to what the KV pool holds:
     a one-word chat on a 4-block pool is answered, not refused for a budget nobody asked for."""
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=4 * 16 * 2 * 4 * 2 * 16,
-                                         block_size=16)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=4 * 16 * 2 * 4 * 2 * 16,
+                 block_size=16)
     try:
         capacity = engine.token_capacity
         assert capacity < 128 and capacity == engine.blocks.num_blocks * 16
@@ -305,8 +306,8 @@ def test_without_max_tokens_a_small_pool_still_answers_a_short_prompt(tiny_model
 
 def test_cache_salt_keeps_one_clients_prompt_out_of_anothers_cached_tokens(tiny_model_dir):
     """Without a shared salt, cached_tokens cannot tell client B what client A sent."""
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=16,
-                                         prefix_caching=True)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=16,
+                 prefix_caching=True)
     memo = "The meeting moved to Thursday at 3 pm in room 4B; bring the signed budget forms. " * 3
     try:
         with TestClient(server.make_app(engine)) as client:

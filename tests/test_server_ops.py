@@ -20,6 +20,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO_ROOT, load_script
+from minivllm import LLM
+from minivllm.contracts import BaseOfflineEngine
 from test_server import asgi_request
 
 server = load_script("05_server")
@@ -110,12 +112,12 @@ def test_engine_features_show_in_stats_and_metrics(tiny_engine):
         values = metric_values(c.get("/metrics").text)
     labels = tuple(sorted((k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in FEATURES.items()))
     assert values[("llm_engine_features", labels)] == 1   # an info metric: the settings are its labels
-    with TestClient(server.make_app(tiny_engine)) as c:   # Chapter 1's engine has no features()
+    with TestClient(server.make_app(tiny_engine)) as c:   # Chapter 1's engine was built with nothing to show
         assert "features" not in c.get("/engine/stats").json()
         assert "llm_engine_features" not in c.get("/metrics").text
 
 
-class GatedEngine:
+class GatedEngine(BaseOfflineEngine):
     """An engine whose generate waits until the test opens the gate: a deterministic 'slow' engine."""
 
     def __init__(self, inner):
@@ -152,11 +154,14 @@ def test_max_waiting_answers_503_at_once_and_the_queue_still_serves(tiny_engine)
     assert statuses == [200, 200, 200]
 
 
-class EndlessStreamEngine:
+class EndlessStreamEngine(BaseOfflineEngine):
     """Streams a token forever; records whether its iterator was closed (its work freed)."""
 
     def __init__(self, inner):
         self.tokenizer, self.closed = inner.tokenizer, threading.Event()
+
+    def capabilities(self):
+        return super().capabilities().replace(streams=True)
 
     def generate_stream(self, prompt, max_new_tokens, params=None):
         try:
@@ -324,9 +329,7 @@ def test_only_the_bound_host_names_are_answered(tiny_engine):
 def test_each_api_key_is_a_tenant_with_a_prefix_cache_of_its_own(tiny_model_dir, tmp_path):
     """Two keys, one server with prefix caching: B's exact copy of A's prompt gets cached_tokens 0
     (and no faster first token), A's own repeat gets its blocks back. A key file adds keys."""
-    cb = load_script("13_continuous_batching_engine")
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=16,
-                                         prefix_caching=True)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, block_size=16, prefix_caching=True)
     keys = tmp_path / "keys.txt"
     keys.write_text("# the class\nkey-for-bob\n\n")
     parser = __import__("argparse").ArgumentParser()

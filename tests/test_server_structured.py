@@ -26,7 +26,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["04_engine:BaselineEngine", "13_continuous_batching_engine:ContinuousBatchingEngine"],
+@pytest.fixture(scope="module", params=["04_engine:BaselineEngine", "minivllm:LLM"],
                 ids=["hf", "batching"])
 def http(request, tiny_model_dir):
     engine = load_script("04_engine").load_engine(request.param, str(tiny_model_dir), device="cpu")

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import load_script
+from minivllm import LLM
 
 sampling = load_script("02_sampling")
 contracts = load_script("03_contracts")
 decode_loop = load_script("07_decode_loop")
-cb13 = load_script("13_continuous_batching_engine")
 spec = load_script("14_speculative_decoding")
 SamplingParams = contracts.SamplingParams
 
@@ -34,8 +34,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one to
 
 def make(folder, **kwargs):
     options = {"max_num_seqs": 16, "max_num_batched_tokens": 128, **kwargs}
-    return cb13.ContinuousBatchingEngine(str(folder), device="cpu", kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN,
-                                         block_size=8, **options)
+    return LLM(str(folder), device="cpu", kv_memory=2048 * TINY_KV_BYTES_PER_TOKEN,
+               block_size=8, **options)
 
 
 class Oracle:
@@ -218,7 +218,7 @@ def test_options_are_checked_before_a_model_loads():
                             ({"speculative": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
                             ({"speculative": "ngram", "draft_model": "x"}, "draft_model needs")]:
         with pytest.raises(ValueError, match=message):
-            cb13.ContinuousBatchingEngine("/nonexistent/model", **kwargs)
+            LLM("/nonexistent/model", **kwargs)
 
 
 def test_a_busy_step_guesses_less(ngram):

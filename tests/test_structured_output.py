@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from conftest import load_script
+from minivllm import LLM
 from minivllm.structured import StructuredOutput
 
 BUDGET = 160
@@ -57,7 +58,7 @@ def tiny_model_engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def tiny_cb(tiny_model_dir):
-    return load_script("13_continuous_batching_engine").ContinuousBatchingEngine(str(tiny_model_dir), device="cpu")
+    return LLM(str(tiny_model_dir), device="cpu")
 
 
 def structured(contracts, schema, **kw):

@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, load_script, run_child
+from minivllm import LLM
 from test_server_continuous import body_for, text_of
 
-cb = load_script("13_continuous_batching_engine")
 engine04 = load_script("04_engine")
 server = load_script("05_server")
 launcher = importlib.import_module("kit.launcher")
-SPEC = "13_continuous_batching_engine:ContinuousBatchingEngine"
+SPEC = "minivllm:LLM"
 
 KV = 8 << 20
 PROMPTS = engine04.reference_prompts() + ["One, two, three,"]          # 8 requests
@@ -36,15 +36,15 @@ PROMPTS = engine04.reference_prompts() + ["One, two, three,"]          # 8 reque
 
 @pytest.fixture(scope="module")
 def single(tiny_model_dir):
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def parallel(tiny_model_dir):
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8,
-                                         tensor_parallel_size=2)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8,
+                 tensor_parallel_size=2)
     yield engine
     engine.close()     # the workers too
 
@@ -83,8 +83,9 @@ def test_speculative_verification_runs_on_every_rank(single, parallel):
     """Chapter 10 on Chapter 14: a verification feeds k + 1 tokens and wants their logits; the
     workers must compute the same rows, or the LM head's all-gather would not match."""
     spec, quant = load_script("14_speculative_decoding"), load_script("16_quantization")
-    parallel.speculator = spec.SpeculativeDecoding("draft", 4).build(   # this model on int4, on rank 0
-        parallel.model, parallel.folder, KV, parallel.pool.block_size, [quant.WeightFormat("int4", 32)])
+    plain = parallel.runner
+    parallel.runner = spec.SpeculativeDecoding("draft", 4).build(   # this model on int4, on rank 0
+        plain, parallel.folder, KV, parallel.pool.block_size, [quant.WeightFormat("int4", 32)])
     try:
         draft = parallel.speculator.proposer.runner   # the whole draft model, on a pool of the budget asked for
         assert draft.model.config == single.model.config and draft.kv.num_blocks == single.pool.num_blocks
@@ -93,7 +94,7 @@ def test_speculative_verification_runs_on_every_rank(single, parallel):
         assert [r.output_ids for r in one] == [r.output_ids for r in two]
         assert sum(r.metrics.accepted_tokens or 0 for r in two) > 0
     finally:
-        parallel.speculator = None
+        parallel.runner = plain
 
 
 def test_server_with_8_concurrent_clients(single, parallel):
@@ -122,15 +123,15 @@ def test_each_rank_holds_1_over_n_of_layers_and_kv(single, parallel):
 def test_an_indivisible_head_count_is_refused_before_any_process_starts(tiny_model_dir):
     before = multiprocessing.active_children()
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads and 2 KV heads"):
-        cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", tensor_parallel_size=3)
+        LLM(str(tiny_model_dir), device="cpu", tensor_parallel_size=3)
     assert multiprocessing.active_children() == before
 
 
 CHILD = textwrap.dedent("""
     import importlib, sys, time
     sys.path.insert(0, {root!r})
-    cb = importlib.import_module("13_continuous_batching_engine")
-    engine = cb.ContinuousBatchingEngine({model!r}, device="cpu", kv_memory=8 << 20, tensor_parallel_size=2)
+    from minivllm import LLM
+    engine = LLM({model!r}, device="cpu", kv_memory=8 << 20, tensor_parallel_size=2)
     print("PIDS", *[s["pid"] for s in engine.runner.rank_stats()], flush=True)
     while True:
         engine.generate("Count to ten:", 8)
@@ -213,7 +214,7 @@ def test_a_step_that_finds_the_group_gone_refuses_every_later_request(tiny_model
     comes next with the same error, whichever of the two noticed first."""
     from minivllm.engine_loop import EngineUnavailable
     from minivllm.parallel_workers import TensorParallelRunner
-    engine = cb.ContinuousBatchingEngine(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
     gone = TensorParallelRunner(engine.runner.model, engine.runner.kv, None, None)
     gone.closed = True                                   # the group went away before this step
     engine.runner = gone
@@ -251,14 +252,14 @@ REAL = textwrap.dedent("""
     sys.path[:0] = [{root!r}, {tests!r}]
     import test_tensor_parallel as t
     prompts, params, out = t.PROMPTS[:7], t.engine04.SamplingParams(), {{}}
-    one = t.cb.ContinuousBatchingEngine({model!r}, device="cpu", kv_memory=64 << 20)
+    one = t.LLM({model!r}, device="cpu", kv_memory=64 << 20)
     logits, expected = t.prefill_logits(one, prompts), one.generate_batch(prompts, 8, params)
     one.close()
     try:
-        t.cb.ContinuousBatchingEngine({model!r}, device="cpu", tensor_parallel_size=2)
+        t.LLM({model!r}, device="cpu", tensor_parallel_size=2)
     except ValueError as exc:
         out["refused"] = str(exc)
-    three = t.cb.ContinuousBatchingEngine({model!r}, device="cpu", kv_memory=64 << 20, tensor_parallel_size=3)
+    three = t.LLM({model!r}, device="cpu", kv_memory=64 << 20, tensor_parallel_size=3)
     out["diff"] = (t.prefill_logits(three, prompts) - logits).abs().max().item()
     out["same"] = [r.output_ids for r in three.generate_batch(prompts, 8, params)] == [r.output_ids for r in expected]
     three.close()
