@@ -8,7 +8,7 @@
 
 Requests of the mixed workload (kit.workloads.mixed_workload, budgets scaled by
 --output-scale) arrive at Poisson times (--rate per second), and the same arrivals go to three servers:
-continuous (ContinuousBatchingEngine.submit() at each arrival, from a thread), static (a FIFO server
+continuous (LLM.submit() at each arrival, from a thread), static (a FIFO server
 that, whenever it is free, runs everything that has arrived as one Chapter 5 batch) and sequential
 (the same server, one request at a time). Times count from the first arrival.
 
@@ -37,14 +37,14 @@ import time
 
 from kit.cli import parse_bytes
 from kit import bench, cli, workloads
+from minivllm import LLM
 
 engine04 = importlib.import_module("04_engine")
 static09 = importlib.import_module("09_static_batching")
-cb = importlib.import_module("13_continuous_batching_engine")
 SamplingParams, WorkItem = engine04.SamplingParams, workloads.WorkItem
 
 
-class TracedEngine(cb.ContinuousBatchingEngine):
+class TracedEngine(LLM):
     """The engine with a stopwatch on each step: the trace needs when a step began, not only when it ended."""
 
     def step(self):

@@ -26,11 +26,11 @@ import time
 import torch
 
 from kit import bench, cli, progress, workloads
+from minivllm import LLM
 from minivllm.threads import thread_count
 
 engine04 = importlib.import_module("04_engine")
 offline = importlib.import_module("06_benchmark_offline")
-engine13 = importlib.import_module("13_continuous_batching_engine")
 
 # --8<-- [start:settings]
 SETTINGS = [   # (label, constructor keywords): each row turns one more switch, or swaps the weights
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(), default=None)
     args = parser.parse_args()
     try:
-        engines = {label: engine13.ContinuousBatchingEngine(args.model, device=args.device, **kw)
+        engines = {label: LLM(args.model, device=args.device, **kw)
                    for label, kw in SETTINGS}
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None

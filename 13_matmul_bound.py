@@ -27,10 +27,10 @@ from types import SimpleNamespace
 import torch
 
 from kit import cli, workloads
+from minivllm import LLM
 from minivllm.threads import thread_count
 
 engine04 = importlib.import_module("04_engine")
-cb = importlib.import_module("13_continuous_batching_engine")
 kv = importlib.import_module("08_kv_cache")              # Chapter 3: the FLOPs of the weight matmuls
 roofline = importlib.import_module("08_roofline")        # Chapter 4: the machine's matmul peak
 
@@ -76,7 +76,7 @@ def main() -> None:
                         help="the engine compiled (Chapter 13): the steps and their matmuls on packed weights")
     args = parser.parse_args()
     try:
-        engine = cb.ContinuousBatchingEngine(args.model, device=args.device, compile=args.compile)
+        engine = LLM(args.model, device=args.device, compile=args.compile)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     params = engine04.SamplingParams(ignore_eos=True)

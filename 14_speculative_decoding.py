@@ -27,7 +27,7 @@ In the assembled engine (Chapter 9) speculation is a switch with the same names 
     python 14_speculative_decoding.py                          # one prompt, as 04_engine.py, prompt lookup
     python 14_speculative_decoding.py --speculative draft      # ... guessed by this model on int4 weights
     python 14_speculative_decoding_demo.py          # a request's guesses step by step, then the table
-    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --speculative draft
+    python 05_server.py --engine minivllm:LLM --speculative draft
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib
 
 from minivllm.llm import LLM
-from minivllm.speculative import (COPYING_PROMPT, MAX_SPECULATIVE_TOKENS, METHODS,  # noqa: F401
+from minivllm.speculative import (COPYING_PROMPT,  # noqa: F401
                                   SPECULATION_TOKEN_BUDGET, DraftModelProposer, NgramProposer, SpeculativeDecoding,
                                   Speculator, accept_guesses, draw, within_grammar)
 

@@ -28,10 +28,11 @@ import time
 import torch
 
 from kit import cli, workloads
+from minivllm import LLM
 from minivllm import threads
+from minivllm.config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 engine04 = importlib.import_module("04_engine")
-cb = importlib.import_module("13_continuous_batching_engine")
 spec = importlib.import_module("14_speculative_decoding")
 SamplingParams = engine04.SamplingParams
 
@@ -42,28 +43,28 @@ GREEN, YELLOW, RED, PLAIN = "\033[32m", "\033[33m", "\033[31;9m", "\033[0m"
 
 # --8<-- [start:trace]
 class Tracer:
-    """Wraps an engine's Speculator and remembers, per verification, the guesses and what was kept."""
+    """Wraps an engine's speculating runner and remembers, per verification, the guesses and what was kept."""
 
     def __init__(self, speculator):
         self.inner, self.steps = speculator, []
 
-    def __getattr__(self, name):   # everything else is the wrapped speculator's
+    def __getattr__(self, name):   # everything else is the wrapped runner's
         return getattr(self.inner, name)
 
-    def step(self, runner, requests, starts, lengths, places):
+    def run(self, requests, starts, lengths, places):
         guesses = [list(r.draft_ids) for r in requests]
-        runs = self.inner.step(runner, requests, starts, lengths, places)
+        runs = self.inner.run(requests, starts, lengths, places)
         self.steps += [(g, run) for g, run in zip(guesses, runs) if run is not None]
         return runs
 
 
 def show_trace(engine, prompt: str, tokenizer, new_tokens: int) -> None:
     """Each verification on one line: the guesses kept, the model's own token, the guesses thrown away."""
-    tracer = engine.speculator = Tracer(engine.speculator)
+    tracer = engine.runner = Tracer(engine.runner)
     try:
         result = engine.generate(prompt, new_tokens)
     finally:
-        engine.speculator = tracer.inner
+        engine.runner = tracer.inner
     tty = sys.stdout.isatty()
     paint = lambda colour, ids: (colour if tty else "") + json.dumps(tokenizer.decode(ids)) + (PLAIN if tty else "")  # noqa: E731
     print(f"  {'step':>4}  {'kept':>5}  text: kept guesses + the model's own token, then rejected guesses")
@@ -205,7 +206,7 @@ def main() -> None:
                         help="trace: one request's verifications and their cost; sweep: the table against k")
     parser.add_argument("--trace-prompt", type=cli.integer(0, 7), default=TRACE_PROMPT,
                         help="which input-grounded prompt the trace follows")
-    parser.add_argument("--ks", type=cli.integer(1, spec.MAX_SPECULATIVE_TOKENS), nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--ks", type=cli.integer(1, MAX_SPECULATIVE_TOKENS), nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--prompts", type=cli.integer(1, 8), default=4, help="prompts of each workload")
     parser.add_argument("--max-new-tokens", type=cli.integer(1, 1024), default=96)
     parser.add_argument("--concurrent", type=cli.integer(0, 256), default=0, metavar="N",
@@ -215,8 +216,8 @@ def main() -> None:
     args = parser.parse_args()
     cpu = threads.cpu_name()
     # The CPU's story (Chapter 4's ridge point): every engine here, and HF's, runs on the CPU.
-    plain = cb.ContinuousBatchingEngine(args.model, device="cpu")
-    engines = {m: cb.ContinuousBatchingEngine(args.model, device="cpu", speculative=m) for m in spec.METHODS}
+    plain = LLM(args.model, device="cpu")
+    engines = {m: LLM(args.model, device="cpu", speculative=m) for m in SPECULATIVE_METHODS}
     if args.part in ("all", "trace"):
         chat = workloads.load_prompts(WORKLOADS["input-grounded"])[args.trace_prompt]["messages"]
         for method, title in (("ngram", "prompt lookup"), ("draft", "the int4 self-draft")):

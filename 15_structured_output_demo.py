@@ -25,10 +25,10 @@ from pathlib import Path
 import jsonschema
 
 from kit import cli, progress
+from minivllm import LLM
 
 engine04 = importlib.import_module("04_engine")
 so = importlib.import_module("15_structured_output")
-cb = importlib.import_module("13_continuous_batching_engine")
 SamplingParams = engine04.SamplingParams
 TASKS = Path(__file__).resolve().parent / "data" / "structured_output.json"
 BUDGET = 160
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a quick look: one seed, batch 1 only")
     parser.add_argument("--plot", type=cli.plot_file(), default=None, metavar="FILE")
     args = parser.parse_args()
-    engine = cb.ContinuousBatchingEngine(args.model, device=args.device)
+    engine = LLM(args.model, device=args.device)
     tasks = load_tasks()
     prompts = [engine04.render_chat(engine.tokenizer, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
 

@@ -16,7 +16,7 @@ that hands the packed integers to torch's kernels, which dequantise inside the d
     python 16_quantization.py              # the formats on one matrix: bytes, error, time by rows
     python 16_quantization_demo.py         # the model-wide table: bytes, speed, perplexity, agreement
     python 16_quantization_demo.py --plot ch12-quant.png
-    python 05_server.py --engine 13_continuous_batching_engine:ContinuousBatchingEngine --quant int4
+    python 05_server.py --engine minivllm:LLM --quant int4
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from minivllm import threads as cpu_threads
 
 from minivllm.quantization import (GROUP_SIZES, HEAD_FORMATS, KERNEL_DTYPE, LINEAR_LAYERS, MODES,  # noqa: F401
                                    HalfWeight, Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight, WeightFormat,
-                                   dequantize_int4, dequantize_int8, describe, head_format, quantize,
+                                   dequantize_int4, dequantize_int8, format_name_of, head_format, quantize,
                                    check_settings, inner_k_tiles, quantize_int4, quantize_int8, quantize_weight)
 
 # The formats, their weights and `quantize(model, ...)` live in minivllm/quantization.py.

@@ -29,6 +29,7 @@ import time
 import torch
 
 from kit import cli
+from minivllm import LLM
 from minivllm import threads as cpu_threads
 from minivllm.quantization import WeightFormat
 
@@ -160,8 +161,7 @@ def verification(folder) -> None:
     """Chapter 10's verification, timed again: feeding 1 to 9 tokens of one sequence, on the
     weights as loaded and on the same weights packed, as the compiled model holds them."""
     spec_demo = importlib.import_module("14_speculative_decoding_demo")
-    cb = importlib.import_module("13_continuous_batching_engine")
-    plain = cb.ContinuousBatchingEngine(str(folder), device="cpu")
+    plain = LLM(str(folder), device="cpu")
     try:
         print("\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached]")
         spec_demo.print_costs({"float32 weights as loaded": spec_demo.verification_cost(plain),
