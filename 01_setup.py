@@ -24,10 +24,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from minivllm.model_files import (DEFAULT_CONTEXT, DEFAULT_MODEL, GGUF_BYTES, GGUF_IN_WHEEL, GGUF_SHA256,  # noqa: F401
-                                  CACHE_ENV_VAR, MODEL_ENV_VAR, WHEEL_SPEC, cache_dir, default_model_dir,
-                                  load_hf_model, pick_device,
-                                  provision_default_model, resolve_model)
+from minivllm.model_files import (DEFAULT_MODEL, CACHE_ENV_VAR, cache_dir, default_model_dir, pick_device,
+                                  provision_default_model)
 
 REPO_ROOT = Path(__file__).resolve().parent
 

@@ -30,17 +30,14 @@ order HF's generate uses; `token_logprobs` reports how likely the chosen tokens 
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 
 from kit import cli   # flags checked as they are parsed
 from minivllm import contracts
-from minivllm.sampling import (TokenHistory, adjust_logits, apply_logit_bias, apply_presence_frequency,  # noqa: F401
-                               apply_repetition_penalty, apply_temperature, greedy, make_generator,
-                               probabilities, sample_next_token, token_logprobs, top_k_filter, top_p_filter)
-
-setup = importlib.import_module("01_setup")
+from minivllm.model_files import load_hf_model
+from minivllm.sampling import (TokenHistory, adjust_logits, apply_temperature, greedy, make_generator,
+                               sample_next_token, top_k_filter, top_p_filter)
 
 
 # ---------------------------------------------------------------- the demonstration
@@ -71,7 +68,7 @@ def main() -> None:
     if not args.prompt:
         parser.error("--prompt must not be empty")
     try:
-        tokenizer, model = setup.load_hf_model(args.model, device=torch.device("cpu"))
+        tokenizer, model = load_hf_model(args.model, device=torch.device("cpu"))
     except ValueError as exc:
         parser.error(str(exc))
     logits = next_token_logits(tokenizer, model, args.prompt)

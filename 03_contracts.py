@@ -11,9 +11,7 @@ beside `BaseOfflineEngine`; this script shows them at work.
 
 from __future__ import annotations
 
-from minivllm.contracts import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, REPETITION_RANGE,  # noqa: F401
-                                SEED_RANGE, BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams,
-                                TokenLogprob, is_integer, join_pieces)
+from minivllm.contracts import GenerateResult, RequestMetrics, SamplingParams
 
 
 def main() -> None:

@@ -10,10 +10,7 @@ which hides the whole token loop in one call; Chapter 2 opens that box.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import inspect
-import json
 import os
 import threading
 import time
@@ -24,14 +21,12 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     SequenceBiasLogitsProcessor)
 
-from kit import cli
+from kit.demo import engine_main
 from minivllm import threads as cpu_threads
-from kit.engines import load_engine  # noqa: F401  (how the server and benchmarks build any engine)
 from minivllm import contracts, model_files
 from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
-from minivllm.text import IncrementalDetokenizer, attach_logprobs, render_chat, tokenize  # noqa: F401
+from minivllm.text import IncrementalDetokenizer, attach_logprobs, tokenize
 
-setup = importlib.import_module("01_setup")
 hf_hooks = importlib.import_module("04_hf_hooks")   # how HF's generate honours SamplingParams
 
 
@@ -240,110 +235,6 @@ class BaselineEngine(BaseOfflineEngine):
             raise failure[0]
         yield self.finish(new_ids, params, input_ids.shape[1], time.perf_counter() - t0, detok, streamer.logprobs)
     # --8<-- [end:stream]
-
-
-
-
-def reference_prompts() -> list[str]:
-    """The committed prompts on which every engine must match the baseline token for token."""
-    path = setup.REPO_ROOT / "data" / "reference_prompts.json"
-    return json.loads(path.read_text())["prompts"]
-
-
-
-
-def demo_parser(description: str) -> argparse.ArgumentParser:
-    """The command-line flags every engine script shares (later chapters add their own)."""
-    parser = argparse.ArgumentParser(description=description)
-    cli.add_model_flags(parser)
-    parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
-    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="the answer's budget in tokens (default %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", choices=model_files.DTYPE_NAMES,
-                        help="weights' precision (default auto: bfloat16 on a GPU, float32 elsewhere)")
-    return parser
-
-
-# --8<-- [start:main]
-# The unit of each number RequestMetrics can carry: a bare "3.2" could be seconds or tokens/s.
-METRIC_UNITS = {"throughput": "tokens/s", "input_tokens": "tokens", "output_tokens": "tokens",
-                "ttft_ms": "ms", "tpot_ms": "ms", "queue_ms": "ms", "cached_tokens": "tokens",
-                "draft_tokens": "tokens", "accepted_tokens": "tokens"}
-
-
-def metric_lines(metrics) -> list[str]:
-    """One '  name  value unit' line per measured metric (what was not measured is left out)."""
-    lines = []
-    for name, value in metrics.as_dict().items():
-        if name not in METRIC_UNITS:
-            raise ValueError(f"metric {name!r} has no unit: add it to METRIC_UNITS")
-        shown = f"{value:.1f}" if isinstance(value, float) else str(value)
-        lines.append(f"  {name:<15} {shown} {METRIC_UNITS[name]}")
-    return lines
-
-
-def print_streamed(pieces, indent: str = "  ") -> object:
-    """Print text pieces as they arrive, indented like the other blocks, and return what followed
-    them (the GenerateResult). Leading and trailing whitespace is held back, as strip() would:
-    trailing spaces are printed only once more text follows them."""
-    pending, started, result = "", False, None
-    print(indent, end="", flush=True)
-    for piece in pieces:
-        if not isinstance(piece, str):
-            result = piece
-            continue
-        text = pending + piece
-        if not started:
-            text = text.lstrip()
-        body = text.rstrip()
-        pending = text[len(body):]
-        if body:
-            started = True
-            print(body.replace("\n", "\n" + indent), end="", flush=True)
-    print()
-    return result
-
-
-def demo(engine_class: type[BaseOfflineEngine], args: argparse.Namespace, **engine_kwargs):
-    """Build the engine, send one request, print [Prompt], [Output] (streamed as it is generated,
-    where the engine can stream) and [Metrics]. engine_kwargs: the engine's own features."""
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        engine = engine_class(args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
-        prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
-        print(f"\n[Prompt]\n  {args.prompt}" + ("" if args.raw else "   (sent through the chat template)"))
-        print("\n[Output]")
-        if hasattr(engine, "generate_stream"):   # a reader sees the answer grow, not a silent wait
-            result = print_streamed(engine.generate_stream(prompt, args.max_new_tokens, params))
-        else:
-            result = engine.generate(prompt, args.max_new_tokens, params)
-            print(f"  {result.text.strip()}")
-    except (ValueError, OSError) as exc:  # bad flags or a model that cannot be found: say so, no traceback
-        raise SystemExit(f"error: {exc}") from None
-
-    print("\n[Metrics]")
-    print("\n".join(metric_lines(result.metrics)))
-    print(f"  {'finish_reason':<15} {result.finish_reason}")
-    return engine, prompt, params
-# --8<-- [end:main]
-
-
-def engine_main(engine_class: type[BaseOfflineEngine], description: str, **defaults):
-    """An engine script's main(): the shared flags, plus a flag for each feature the engine's
-    constructor takes (kit/cli.py's engine options), then one request through demo().
-    defaults: features switched on unless the command line says otherwise."""
-    parser = demo_parser(description)
-    takes = inspect.signature(engine_class).parameters
-    cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS   # --dtype: demo_parser's
-                                              if name in takes and name != "dtype"))
-    parser.set_defaults(**defaults)
-    args = parser.parse_args()
-    features = {name: value for name, value in cli.engine_options(args).items() if name != "dtype"}  # demo's own
-    return demo(engine_class, args, **features)
 
 
 def main() -> None:

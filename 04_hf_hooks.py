@@ -13,7 +13,6 @@ and stopped:
 
 from __future__ import annotations
 
-import importlib
 import queue
 import threading
 
@@ -22,10 +21,9 @@ from transformers import LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from kit import cli
-
-sampling = importlib.import_module("02_sampling")
-contracts = importlib.import_module("03_contracts")
-SamplingParams = contracts.SamplingParams
+from minivllm.contracts import SamplingParams, TokenLogprob
+from minivllm.model_files import load_hf_model
+from minivllm.sampling import apply_presence_frequency, token_logprobs
 
 
 # --8<-- [start:hf-processors]
@@ -39,8 +37,8 @@ class RawLogprobs(LogitsProcessor):
         self.rows.append(scores[:1].clone())   # one request: row 0; kept until its token is known
         return scores
 
-    def entry(self, token_id: int) -> contracts.TokenLogprob:
-        return sampling.token_logprobs(self.rows.pop(0), [token_id], [self.k])[0]
+    def entry(self, token_id: int) -> TokenLogprob:
+        return token_logprobs(self.rows.pop(0), [token_id], [self.k])[0]
 
 
 class OutputPenalties(LogitsProcessor):
@@ -53,7 +51,7 @@ class OutputPenalties(LogitsProcessor):
         counts = torch.stack([torch.bincount(row[self.n_prompt:], minlength=scores.shape[-1]).float()
                               for row in input_ids])
         p = self.params
-        return sampling.apply_presence_frequency(scores, counts, p.presence_penalty, p.frequency_penalty)
+        return apply_presence_frequency(scores, counts, p.presence_penalty, p.frequency_penalty)
 # --8<-- [end:hf-processors]
 
 
@@ -100,7 +98,7 @@ class StopTextCriteria(StoppingCriteria):
     detokenizer the streaming path already uses costs nothing that outlives the request.
     """
 
-    def __init__(self, detok, n_prompt: int):   # detok: 04_engine's IncrementalDetokenizer
+    def __init__(self, detok, n_prompt: int):   # detok: an IncrementalDetokenizer (minivllm/text.py)
         self.detok, self.n_prompt = detok, n_prompt
 
     def __call__(self, input_ids, scores, **kwargs):
@@ -113,13 +111,12 @@ def main() -> None:
     """The hooks on HF's generate directly: a presence penalty, raw log-probabilities, a stream."""
     import argparse
 
-    setup = importlib.import_module("01_setup")
     parser = argparse.ArgumentParser(description="HF generate with the hooks that serve SamplingParams.")
     cli.add_model_flags(parser, device=False)
     parser.add_argument("--prompt", default="The three primary colours are")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     args = parser.parse_args()
-    tokenizer, model = setup.load_hf_model(args.model, "cpu", torch.float32)
+    tokenizer, model = load_hf_model(args.model, "cpu", torch.float32)
     params = SamplingParams(presence_penalty=1.5, logprobs=2)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     recorder = RawLogprobs(params.logprobs)

@@ -22,7 +22,6 @@ after that: the decode pace).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import inspect
 import time
@@ -32,16 +31,13 @@ import torch
 from transformers import DynamicCache
 
 from kit import cli
+from kit.demo import demo, demo_parser
+from kit.hf import cache_keyword
+from kit.workloads import reference_prompts
 from minivllm.contracts import GenerateResult, SamplingParams
-from minivllm.output import OutputProcessor, Request, constrain, sample  # noqa: F401
+from minivllm.output import OutputProcessor, Request, sample
 
 engine04 = importlib.import_module("04_engine")
-
-
-@functools.cache
-def cache_keyword(model_class: type) -> str:
-    """forward()'s keyword for the KV cache: transformers 5 renamed `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class DecodeLoopEngine(engine04.BaselineEngine):
@@ -146,12 +142,12 @@ def compare_with_generate(engine: DecodeLoopEngine, prompts: list[str], new_toke
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 2: our own prefill + decode loop.")
+    parser = demo_parser("Chapter 2: our own prefill + decode loop.")
     parser.add_argument("--stream", action="store_true", help="then stream the answer token by token")
     parser.add_argument("--compare", type=cli.integer(0, 100), default=0, metavar="REPS",
                         help="time HF generate vs this loop (64 tokens, ignore_eos, REPS rounds)")
     args = parser.parse_args()
-    engine, prompt, params = engine04.demo(DecodeLoopEngine, args)
+    engine, prompt, params = demo(DecodeLoopEngine, args)
 
     if args.stream:
         # --8<-- [start:stream-demo]
@@ -163,7 +159,7 @@ def main() -> None:
         # --8<-- [end:stream-demo]
 
     if args.compare:
-        prompts = engine04.reference_prompts()[:4]
+        prompts = reference_prompts()[:4]
         hf, ours = compare_with_generate(engine, prompts, 64, args.compare)
         print(f"\n[Speed, batch 1, 64 new tokens, {len(prompts)} prompts x {args.compare} rounds, alternating]")
         print(f"  HF generate  {hf:6.1f} tokens/s\n  our loop     {ours:6.1f} tokens/s\n  ratio        {ours / hf:6.3f}")

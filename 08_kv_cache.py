@@ -20,7 +20,6 @@ cache costs in memory is 08_kv_cache_sizes.py's subject.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import time
@@ -31,10 +30,10 @@ import torch
 from transformers import DynamicCache
 
 from kit import cli
-
-setup = importlib.import_module("01_setup")
-sampling = importlib.import_module("02_sampling")
-decode_loop = importlib.import_module("07_decode_loop")  # one definition of the cache keyword
+from kit.hf import cache_keyword
+from minivllm.model_files import load_hf_model, pick_device, resolve_model
+from minivllm.roofline import forward_flops
+from minivllm.sampling import greedy
 
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived an"
 
@@ -43,7 +42,7 @@ DEFAULT_PROMPT = "Once upon a time, in a small village by the sea, there lived a
 @torch.no_grad()
 def step_with_cache(model, new_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
     """Feed only the new token(s). Earlier keys/values come from `cache`, which grows in place."""
-    cache_kw = decode_loop.cache_keyword(type(model))   # past_key_values, or cache in transformers 5
+    cache_kw = cache_keyword(type(model))   # past_key_values, or cache in transformers 5
     out = model(input_ids=new_ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
     return out.logits[0, -1]
 
@@ -89,7 +88,7 @@ def timed_step(model, run: DecodeRun, repeats: int = 1) -> None:
             logits = step_with_cache(model, run.ids[:, seen:], run.cache)
         else:
             logits = step_without_cache(model, run.ids)
-        token = int(sampling.greedy(logits))  # int() waits for the device, so the time is real
+        token = int(greedy(logits))  # int() waits for the device, so the time is real
         best = min(best, time.perf_counter() - start)
     run.step_seconds.append(best)
     run.positions.append(run.ids.shape[1])
@@ -113,34 +112,6 @@ def decode_both(model, prompt_ids: torch.Tensor, steps: int,
 
 
 # --8<-- [start:work]
-def layer_matmul_weights(config) -> int:
-    """The weights of one layer's matrices: Q, K, V and output projections, and the MLP's three."""
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads, hidden = config.num_attention_heads, config.hidden_size
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return hidden * (heads + 2 * kv) * d + heads * d * hidden + 3 * hidden * config.intermediate_size
-
-
-def weight_flops(config, new_tokens: int, logits: int = 1) -> int:
-    """FLOPs of the weight matmuls: every new token meets every matrix of every layer once
-    (a multiply and an add per weight), and `logits` rows go through the LM head."""
-    return 2 * (new_tokens * config.num_hidden_layers * layer_matmul_weights(config)
-                + logits * config.hidden_size * config.vocab_size)
-
-
-def attention_flops(config, new_tokens: int, cached: int) -> int:
-    """FLOPs of attention itself: new token i scores and mixes cached + i + 1 keys and values
-    in every query head (QK^T, then the weighted sum of V: head_dim multiply-adds each)."""
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    keys_seen = new_tokens * cached + new_tokens * (new_tokens + 1) // 2   # causal: token i sees i + 1
-    return 4 * config.num_hidden_layers * config.num_attention_heads * d * keys_seen
-
-
-def forward_flops(config, new_tokens: int, cached: int, logits: int = 1) -> int:
-    """One forward over `new_tokens` tokens after `cached` tokens already in the cache."""
-    return weight_flops(config, new_tokens, logits) + attention_flops(config, new_tokens, cached)
-
-
 def step_flops(config, position: int, with_cache: bool) -> int:
     """A decode step that makes the token after `position` tokens: with a cache, one new token
     over position - 1 cached ones; without, all `position` tokens from scratch."""
@@ -223,8 +194,8 @@ def main() -> None:
     if not args.prompt:
         parser.error("--prompt must not be empty")
     try:
-        device = setup.pick_device(args.device)
-        tokenizer, model = setup.load_hf_model(args.model, device=device)
+        device = pick_device(args.device)
+        tokenizer, model = load_hf_model(args.model, device=device)
     except ValueError as exc:
         parser.error(str(exc))
     prompt_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
@@ -274,7 +245,7 @@ def main() -> None:
         # --8<-- [start:growth]
         fit_c = fit_line(decode, cached.step_seconds[1:])
         fit_u = fit_line(decode, uncached.step_seconds[1:])
-        print(f"\n[growth]  a line fitted to the decode steps' times (median of pairwise slopes)")
+        print("\n[growth]  a line fitted to the decode steps' times (median of pairwise slopes)")
         for label, (intercept, slope) in (("with cache", fit_c), ("without", fit_u)):
             print(f"  {label:<11} {fit_description(intercept, slope)}")
         for answer in (256, 1024, 4096) if len(decode) >= 16 and min(fit_c[1], fit_u[1]) > 0 else ():
@@ -286,7 +257,7 @@ def main() -> None:
         # --8<-- [end:growth]
 
     if args.plot:
-        plot(cached, uncached, Path(args.plot), f"{Path(setup.resolve_model(args.model)).name} on {device.type}: "
+        plot(cached, uncached, Path(args.plot), f"{Path(resolve_model(args.model)).name} on {device.type}: "
              f"decode with vs without the KV cache")
         print(f"\nplot written to {args.plot}")
     if args.json:

@@ -18,54 +18,19 @@ in float32, bfloat16 and int8.
 from __future__ import annotations
 
 import argparse
-import importlib
-from types import SimpleNamespace
 
 import torch
 from transformers import AutoConfig, DynamicCache
 
 from kit import cli
+from kit.hf import cache_keyword
+from minivllm.model_files import load_hf_model, pick_device, resolve_model
+from minivllm.roofline import (LLAMA3_8B, LLAMA3_70B, as_config, head_dim, kv_bytes_per_token, num_kv_heads,
+                                weight_bytes)
 
-setup = importlib.import_module("01_setup")
-decode_loop = importlib.import_module("07_decode_loop")   # one definition of the cache keyword
-kv = importlib.import_module("08_kv_cache")               # one count of a layer's matrices
-
-# --8<-- [start:llama3]
-# Published configs (the config.json of meta-llama/Meta-Llama-3-8B and Meta-Llama-3-70B on the
-# Hugging Face Hub; also Table 3 of "The Llama 3 Herd of Models", 2024). Written out here so
-# nothing is downloaded: only the fields the arithmetic reads.
-LLAMA3_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                 hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                 tie_word_embeddings=False, max_position_embeddings=8192)
-LLAMA3_70B = dict(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                  hidden_size=8192, intermediate_size=28672, vocab_size=128256,
-                  tie_word_embeddings=False, max_position_embeddings=8192)
-# --8<-- [end:llama3]
+# The formula, the weights' bytes and the published Llama 3 configs: minivllm/roofline.py
 CONTEXTS = (2048, 32768, 131072)
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
-
-
-def as_config(fields: dict) -> SimpleNamespace:
-    """A config-like object from a dict, read through the same attribute names as an HF config."""
-    return SimpleNamespace(**fields)
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def num_kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-# --8<-- [start:size-formula]
-def kv_bytes_per_token(config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
-    """K and V, for every layer, for every KV head, head_dim numbers each, at dtype's width."""
-    if kv_heads is None:
-        kv_heads = num_kv_heads(config)
-    bytes_per_element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim(config) * bytes_per_element
-# --8<-- [end:size-formula]
 
 
 # --8<-- [start:measured]
@@ -79,7 +44,7 @@ def measured_cache_bytes(cache: DynamicCache) -> tuple[int, int]:
 def filled_cache(model, input_ids: torch.Tensor) -> DynamicCache:
     """The cache the model itself fills while it reads `input_ids` (a prefill)."""
     cache = DynamicCache()
-    model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{decode_loop.cache_keyword(type(model)): cache})
+    model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_keyword(type(model)): cache})
     return cache
 # --8<-- [end:measured]
 
@@ -100,15 +65,6 @@ def human(nbytes: float) -> str:
             return f"{nbytes:,.1f} {unit}"
         nbytes /= 1024
     return ""
-
-
-def weight_bytes(config, dtype: torch.dtype) -> int:
-    """The weights' bytes from the config: embedding (and LM head unless tied), and per layer the
-    attention projections, the MLP and two norms; the 1-D norms are negligible but counted."""
-    h = config.hidden_size
-    per_layer = kv.layer_matmul_weights(config) + 2 * h
-    embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return (config.num_hidden_layers * per_layer + embed + h) * torch.empty((), dtype=dtype).element_size()
 
 
 def print_formula(name: str, config, dtype: torch.dtype) -> int:
@@ -154,7 +110,7 @@ def main() -> None:
     parser.add_argument("--no-check", action="store_true", help="skip loading the model to check the formula")
     args = parser.parse_args()
     try:
-        folder = setup.resolve_model(args.model)
+        folder = resolve_model(args.model)
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
@@ -162,7 +118,7 @@ def main() -> None:
     # --8<-- [start:check]
     per_token = print_formula(name, config, torch.float32)
     if not args.no_check:
-        tokenizer, model = setup.load_hf_model(args.model, device=setup.pick_device(args.device))
+        tokenizer, model = load_hf_model(args.model, device=pick_device(args.device))
         ids = tokenizer("The KV cache grows by the same number of bytes with every token.",
                         return_tensors="pt").input_ids.to(model.device)
         held, tokens = measured_cache_bytes(filled_cache(model, ids))

@@ -21,69 +21,27 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig
 
-from kit import cli, progress
+from kit import cli
+from kit.workloads import reference_prompts
 from minivllm import threads
+from minivllm.contracts import SamplingParams
+from minivllm.model_files import pick_device, resolve_model
+from minivllm.roofline import (LLAMA3_8B, as_config, best_time, forward_flops, kv_bytes_per_token, measure_bandwidth,
+                               measure_matmul_peak, weight_bytes)
 
-setup = importlib.import_module("01_setup")
-engine04 = importlib.import_module("04_engine")
-decode_loop = importlib.import_module("07_decode_loop")
-kv = importlib.import_module("08_kv_cache")              # forward_flops: the work of a forward
-sizes = importlib.import_module("08_kv_cache_sizes")     # kv_bytes_per_token, weight_bytes
+decode_loop = importlib.import_module("07_decode_loop")   # Chapter 2's loop: the steps timed here
 
 BATCHES = (1, 8, 32)
 # A data-centre GPU for comparison, from its datasheet (NVIDIA H100 SXM: 3.35 TB/s of HBM3,
 # 989 TFLOP/s of dense bf16 matmul), not measured here.
 H100 = dict(bandwidth=3.35e12, peak=989e12)
 CONTEXT = 128          # tokens each sequence holds when its decode step is measured and priced
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def best_time(fn, device: torch.device, repeats: int, label: str = "") -> float:
-    """The fastest of `repeats` runs of fn(), in seconds: a busy machine only ever adds time."""
-    fn()                                   # warm-up: first calls allocate and fault pages in
-    best = float("inf")
-    # On a terminal one line redrawn per try; in a log (no terminal) one plain line per measurement,
-    # never a carriage return, which a log file would keep as a mess of overwritten text.
-    redraw = bool(label) and progress.on_terminal()
-    for i in range(repeats):
-        if redraw:
-            print(f"\r[measure] {label}: try {i + 1}/{repeats}", end="", file=sys.stderr, flush=True)
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    if redraw:
-        print(file=sys.stderr)
-    elif label:
-        progress.say(f"[measure] {label}: best of {repeats} tries {best * 1e3:.2f} ms")
-    return best
-
-
-# --8<-- [start:limits]
-def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5, label: str = "") -> float:
-    """Memory read bandwidth in bytes/s: one sum over a float32 tensor far larger than any cache."""
-    big = torch.ones(max(1, nbytes // 4), device=device)
-    return big.numel() * 4 / best_time(big.sum, device, repeats, label)
-
-
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
-                        repeats: int = 5, label: str = "") -> float:
-    """Matmul speed in FLOP/s: one n x n x n GEMM (2 n^3 FLOPs), big enough to keep every unit busy."""
-    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    return 2 * n ** 3 / best_time(lambda: a @ b, device, repeats, label)
-# --8<-- [end:limits]
 
 
 # --8<-- [start:cost]
@@ -106,7 +64,7 @@ class StepCost:
 def weights_read(config, dtype: torch.dtype, rows: int) -> float:
     """Weight bytes one forward reads: all of them, except that an untied embedding table is
     only looked up (`rows` rows), not read whole. A tied table is read whole as the LM head."""
-    total = sizes.weight_bytes(config, dtype)
+    total = weight_bytes(config, dtype)
     if getattr(config, "tie_word_embeddings", False):
         return total
     row = config.hidden_size * torch.empty((), dtype=dtype).element_size()
@@ -116,16 +74,16 @@ def weights_read(config, dtype: torch.dtype, rows: int) -> float:
 def decode_step_cost(config, batch: int, context: int, dtype: torch.dtype = torch.float32,
                      kv_dtype: torch.dtype | None = None) -> StepCost:
     """One decode step: `batch` sequences, each with `context` cached tokens, one new token each."""
-    per_token = sizes.kv_bytes_per_token(config, kv_dtype or dtype)
-    return StepCost(flops=batch * kv.forward_flops(config, 1, context),
+    per_token = kv_bytes_per_token(config, kv_dtype or dtype)
+    return StepCost(flops=batch * forward_flops(config, 1, context),
                     weight_bytes=weights_read(config, dtype, batch),
                     kv_bytes=batch * (context + 1) * per_token)
 
 
 def prefill_cost(config, tokens: int, dtype: torch.dtype = torch.float32) -> StepCost:
     """One prefill of `tokens` prompt tokens: the weights once, every token's keys and values written."""
-    return StepCost(flops=kv.forward_flops(config, tokens, 0), weight_bytes=weights_read(config, dtype, tokens),
-                    kv_bytes=tokens * sizes.kv_bytes_per_token(config, dtype))
+    return StepCost(flops=forward_flops(config, tokens, 0), weight_bytes=weights_read(config, dtype, tokens),
+                    kv_bytes=tokens * kv_bytes_per_token(config, dtype))
 # --8<-- [end:cost]
 
 
@@ -172,7 +130,7 @@ def bend_batch(roof: Roofline, config, context: int, dtype: torch.dtype = torch.
 # --8<-- [start:steps]
 def context_prompt(tokenizer, tokens: int) -> str:
     """Text of about `tokens` tokens, cut from the reference prompts repeated."""
-    pool = " ".join(engine04.reference_prompts())
+    pool = " ".join(reference_prompts())
     ids = tokenizer(" ".join([pool] * (1 + tokens // max(1, len(tokenizer(pool).input_ids))))).input_ids
     return tokenizer.decode(ids[:tokens])
 
@@ -180,7 +138,7 @@ def context_prompt(tokenizer, tokens: int) -> str:
 def per_token_seconds(generate, prompt: str, new_tokens: int, repeats: int, label: str) -> float:
     """Decode time per token of a whole generate() call: (time for 1 + k tokens - time for 1) / k,
     each the best of `repeats`, so the prefill and the call's fixed costs cancel out."""
-    params = engine04.SamplingParams(ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     one = best_time(lambda: generate(prompt, 1, params), torch.device("cpu"), repeats, f"{label}, 1 token")
     many = best_time(lambda: generate(prompt, 1 + new_tokens, params), torch.device("cpu"), repeats,
                      f"{label}, {1 + new_tokens} tokens")
@@ -255,8 +213,8 @@ def main() -> None:
     if args.memory > 16 << 30:
         parser.error("--memory: at most 16GB (a read of that size already takes seconds)")
     try:
-        device = setup.pick_device(args.device)
-        folder = setup.resolve_model(args.model)
+        device = pick_device(args.device)
+        folder = resolve_model(args.model)
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
@@ -273,10 +231,10 @@ def main() -> None:
     print(f"  ridge for float32: {peak / 1e9:.0f} / {bandwidth / 1e9:.1f} = {roof.ridge:.1f} FLOP per byte")
 
     name = str(folder).rstrip("/").rsplit("/", 1)[-1]
-    per_token = kv.forward_flops(config, 1, CONTEXT)
+    per_token = forward_flops(config, 1, CONTEXT)
     print(f"\n[{name}, float32]  weights read per step {weights_read(config, torch.float32, 1) / 1e6:.0f} MB,"
           f" {per_token / 1e6:.0f} MFLOP per token at context {CONTEXT},"
-          f" KV cache {sizes.kv_bytes_per_token(config, torch.float32) / 1024:.0f} KiB per token")
+          f" KV cache {kv_bytes_per_token(config, torch.float32) / 1024:.0f} KiB per token")
     # --8<-- [start:predict]
     print(f"\n[prediction]  decode steps at context {CONTEXT}, from the two limits alone")
     print(f"  {'batch':>6}{'GFLOP':>8}{'MB moved':>10}{'FLOP/byte':>11}{'bound':>9}{'floor ms':>10}{'tokens/s at most':>18}")
@@ -294,7 +252,7 @@ def main() -> None:
         b = bend_batch(roof, config, context)
         print(f"  at context {context:,}: bends at batch {b}" if b else
               f"  at context {context:,}: never bends (the KV reads grow with the batch as fast as the FLOPs)")
-    gpu, big = Roofline(**H100), sizes.as_config(sizes.LLAMA3_8B)
+    gpu, big = Roofline(**H100), as_config(LLAMA3_8B)
     print(f"  on an H100 (datasheet: ridge {gpu.ridge:.0f} FLOP/byte), Llama-3-8B in bf16 bends at batch"
           f" {bend_batch(gpu, big, CONTEXT, torch.bfloat16)} at context {CONTEXT};"
           f" at context 2,048: {bend_batch(gpu, big, 2048, torch.bfloat16) or 'never'}")
@@ -306,10 +264,10 @@ def main() -> None:
     prompt = context_prompt(engine.tokenizer, CONTEXT)
     n_prompt, new = len(engine.tokenizer(prompt).input_ids), 16
     # --8<-- [start:points]
+    hf_generate = super(decode_loop.DecodeLoopEngine, engine).generate   # Chapter 1's, on this very model
     points = [
         ("HF generate (04), batch 1", decode_step_cost(config, 1, n_prompt + new // 2),
-         per_token_seconds(lambda *a: engine04.BaselineEngine.generate(engine, *a), prompt, new, args.repeats,
-                           "HF generate")),
+         per_token_seconds(hf_generate, prompt, new, args.repeats, "HF generate")),
         ("our decode loop (07), batch 1", decode_step_cost(config, 1, n_prompt + new // 2),
          per_token_seconds(engine.generate, prompt, new, args.repeats, "decode loop")),
         *[(f"decode step (07), batch {b}", decode_step_cost(config, b, CONTEXT),

@@ -33,11 +33,10 @@ from statistics import median
 import torch
 
 from kit import cli, progress
-from minivllm import contracts
+from kit.workloads import reference_prompts
+from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
 
 decode_loop = importlib.import_module("07_decode_loop")
-engine04 = decode_loop.engine04
-SamplingParams, GenerateResult = decode_loop.SamplingParams, decode_loop.GenerateResult
 
 
 class StaticBatchEngine(decode_loop.DecodeLoopEngine):
@@ -75,7 +74,7 @@ class StaticBatchEngine(decode_loop.DecodeLoopEngine):
     # --8<-- [start:generate-batch]
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
                        params: SamplingParams | None = None) -> list[GenerateResult]:
-        contracts.check_prompts(prompts)
+        check_prompts(prompts)
         t0 = time.perf_counter()           # every request was submitted now: TTFT counts from here
         params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
@@ -113,8 +112,8 @@ def measure(engine: StaticBatchEngine, prompts: list[str], new_tokens: int, para
     t = time.perf_counter()
     if batched:
         results = engine.generate_batch(prompts, new_tokens, params)
-    else:   # Chapter 1's loop over single requests, on the same model object
-        results = engine04.BaselineEngine.generate_batch(engine, prompts, new_tokens, params)
+    else:   # Chapter 2's engine keeps Chapter 1's generate_batch: one request after another, same model
+        results = decode_loop.DecodeLoopEngine.generate_batch(engine, prompts, new_tokens, params)
     elapsed = time.perf_counter() - t
     own = [r.metrics.output_tokens / r.metrics.throughput for r in results]   # each request's own time
     # Batched, every request runs for the whole batch; sequential, request i also waits for the i before it.
@@ -131,7 +130,7 @@ def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats:
     moment on the machine hits both; the table gives medians and the range of the ratio.
     `bar` (kit.progress) hears of every timed pass: the largest sizes take minutes.
     """
-    pool = engine04.reference_prompts()       # mixed lengths on purpose: padding is part of the cost
+    pool = reference_prompts()                # mixed lengths on purpose: padding is part of the cost
     params = SamplingParams(ignore_eos=True)  # every row produces exactly new_tokens
     engine.generate_batch(pool[:2], 2, params)  # warm-up
     table = []
@@ -212,15 +211,14 @@ def main() -> None:
     args = parser.parse_args()
     try:
         engine = StaticBatchEngine(args.model, device=args.device, max_batch_size=max(args.sizes))
-        for prompt in engine04.reference_prompts():   # every prompt with its budget fits, or say so now
+        for prompt in reference_prompts():    # every prompt with its budget fits, or say so now
             engine.encode(prompt, args.max_new_tokens)
     except ValueError as exc:
         parser.error(str(exc))
     # Said before the sweep starts: one request timed alone, times the requests run one by one,
     # is the sequential passes' length; the batched passes take less than that again.
     t0 = time.perf_counter()
-    engine04.BaselineEngine.generate(engine, engine04.reference_prompts()[0], args.max_new_tokens,
-                                     SamplingParams(ignore_eos=True))
+    engine.generate(reference_prompts()[0], args.max_new_tokens, SamplingParams(ignore_eos=True))
     one_s = time.perf_counter() - t0
     progress.say(f"[plan] {len(args.sizes)} batch sizes x {args.repeats} round(s), sequential and batched: at most "
                  f"about {progress.duration(2 * one_s * sum(args.sizes) * args.repeats)} (one request took {one_s:.1f} s)")

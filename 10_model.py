@@ -31,10 +31,9 @@ from __future__ import annotations
 import torch
 
 from kit import cli
-from minivllm.batch import KVCache, RaggedBatch  # noqa: F401
-from minivllm.model import (SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig, apply_rope, rms_norm,  # noqa: F401
-                            rope_angles, rope_frequencies)
-from minivllm.weights import input_major  # noqa: F401
+from minivllm.batch import RaggedBatch
+from minivllm.model import LlamaModel
+from minivllm.model_files import load_hf_model, resolve_model
 
 # The model itself (config, RoPE, forward pass): minivllm/model.py; the ragged batch and the
 # KV cache of rows: minivllm/batch.py; a weight as a linear operation: minivllm/weights.py
@@ -59,19 +58,17 @@ def compare_logits(model: LlamaModel, hf_model, ids: list[int], steps: int = 8) 
 
 def main() -> None:
     import argparse
-    import importlib
 
     import transformers
 
-    setup = importlib.import_module("01_setup")
     parser = argparse.ArgumentParser(description="Chapter 6: our Llama forward pass, checked against HF's.")
     cli.add_model_flags(parser, device=False)
     parser.add_argument("--prompt", default="The capital of France is")
     args = parser.parse_args()
-    folder = setup.resolve_model(args.model)
+    folder = resolve_model(args.model)
     transformers.utils.logging.disable_progress_bar()   # HF's loading bar would cut into the output below
     try:
-        tokenizer, hf = setup.load_hf_model(str(folder), "cpu", torch.float32)
+        tokenizer, hf = load_hf_model(str(folder), "cpu", torch.float32)
         model = LlamaModel.from_folder(folder)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None

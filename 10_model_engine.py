@@ -17,18 +17,16 @@ longest possible life; Chapter 7 replaces rows by blocks.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from kit.demo import engine_main
 from minivllm.contracts import BaseOfflineEngine, GenerateResult, SamplingParams, check_prompts, is_integer
 from minivllm.model_files import DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device, pick_dtype
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor, Request
-
-engine04 = importlib.import_module("04_engine")
 
 DEFAULT_KV_MEMORY = 2 << 30   # bytes of KV cache one generate_batch chunk may allocate (rows, not blocks)
 
@@ -156,7 +154,7 @@ class ModelEngine(BaseOfflineEngine):
 
 
 def main() -> None:
-    engine04.engine_main(ModelEngine, "Chapter 6: the decode loop on a Llama we wrote ourselves.")
+    engine_main(ModelEngine, "Chapter 6: the decode loop on a Llama we wrote ourselves.")
 
 
 if __name__ == "__main__":

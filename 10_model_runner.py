@@ -22,15 +22,13 @@ script steps one by hand.
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 
 from kit import cli
 from minivllm.contracts import SamplingParams
+from minivllm.model_files import resolve_model
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor
-
-setup = importlib.import_module("01_setup")
 
 
 def main() -> None:
@@ -40,7 +38,7 @@ def main() -> None:
     cli.add_model_flags(parser, device=False)
     parser.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     args = parser.parse_args()
-    folder = setup.resolve_model(args.model)
+    folder = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = load_model(folder)
     output = OutputProcessor(tokenizer, {tokenizer.eos_token_id}, model.config.vocab_size, "cpu")

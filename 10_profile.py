@@ -4,8 +4,8 @@ A decode step at batch 1 reads every weight once to make one token: its floor is
 weight bytes / memory bandwidth. At batch 32 the same bytes make 32 tokens, so the
 floor moves towards FLOPs / matmul speed: Chapter 4's roofline. This measures both
 limits on the machine at hand with Chapter 4's functions (a big reduction for bandwidth,
-a big GEMM for FLOP/s) and times the parts of real decode steps of `ModelEngine`
-(its forward's optional `timer` hook):
+a big GEMM for FLOP/s) and times the parts of real decode steps of Chapter 6's model,
+loaded as `ModelEngine` loads it (its forward's optional `timer` hook):
 
     embedding   token lookup and the RoPE angles
     attention   RMSNorm, fused QKV, RoPE, KV-cache write, SDPA, output projection (x layers)
@@ -21,19 +21,19 @@ a big GEMM for FLOP/s) and times the parts of real decode steps of `ModelEngine`
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from collections import defaultdict
 
 import torch
 
 from kit import cli
+from kit.workloads import reference_prompts
+from minivllm.batch import RaggedBatch
+from minivllm.model_files import load_tokenizer, model_folder, pick_device, pick_dtype
+from minivllm.model_runner import load_model
+from minivllm.roofline import measure_bandwidth, measure_matmul_peak
 from minivllm.threads import thread_count
 
-engine04 = importlib.import_module("04_engine")
-model10 = importlib.import_module("10_model")
-engine10 = importlib.import_module("10_model_engine")
-roofline = importlib.import_module("08_roofline")   # Chapter 4: the machine's two limits, measured
 PARTS = ("embedding", "attention", "mlp", "lm_head", "sampling", "overhead")
 
 
@@ -61,28 +61,28 @@ class StepTimer:
 def machine_limits(device: torch.device, repeats: int = 3) -> tuple[float, float]:
     """(memory read bandwidth in bytes/s, float32 matmul speed in FLOP/s), best of `repeats`:
     the two roofs of Chapter 4, measured by its functions."""
-    return (roofline.measure_bandwidth(device, repeats=repeats),
-            roofline.measure_matmul_peak(device, torch.float32, repeats=repeats))
+    return (measure_bandwidth(device, repeats=repeats),
+            measure_matmul_peak(device, torch.float32, repeats=repeats))
 # --8<-- [end:limits]
 
 
 @torch.inference_mode()
-def time_steps(engine, batch_size: int, steps: int) -> dict[str, float]:
-    """Mean seconds per decode step spent in each part, over `steps` greedy steps."""
-    m, device = engine.model, engine.device
-    pool = engine04.reference_prompts()
-    prompts = [engine.tokenizer(pool[i % len(pool)]).input_ids for i in range(batch_size)]
+def time_steps(m, tokenizer, batch_size: int, steps: int) -> dict[str, float]:
+    """Mean seconds per decode step of model `m` spent in each part, over `steps` greedy steps."""
+    device = m.device
+    pool = reference_prompts()
+    prompts = [tokenizer(pool[i % len(pool)]).input_ids for i in range(batch_size)]
     max_len = max(map(len, prompts)) + steps + 1
     cache = m.new_cache(batch_size, max_len)
     rows = list(range(batch_size))
-    logits = m.forward(model10.RaggedBatch.build(prompts, rows, [0] * batch_size, max_len, device), cache)
+    logits = m.forward(RaggedBatch.build(prompts, rows, [0] * batch_size, max_len, device), cache)
     cached = [len(p) for p in prompts]
     timer, total = StepTimer(device), 0.0
     for _ in range(steps):
         t = time.perf_counter()
         with timer("sampling"):
             tokens = logits.argmax(-1).tolist()
-        batch = model10.RaggedBatch.build([[tok] for tok in tokens], rows, cached, max_len, device)
+        batch = RaggedBatch.build([[tok] for tok in tokens], rows, cached, max_len, device)
         logits = m.forward(batch, cache, timer=timer)
         _sync(device)
         total += time.perf_counter() - t
@@ -94,16 +94,15 @@ def time_steps(engine, batch_size: int, steps: int) -> dict[str, float]:
 
 
 # --8<-- [start:profile]
-def profile_decode(engine, batch_sizes=(1, 32), steps: int = 16) -> dict:
-    """Per-part step times at each batch size, and the floors the machine allows."""
-    m = engine.model
-    time_steps(engine, 1, 2)                                  # warm-up: first calls allocate
-    bandwidth, flops = machine_limits(engine.device)
+def profile_decode(m, tokenizer, batch_sizes=(1, 32), steps: int = 16) -> dict:
+    """Per-part step times of model `m` at each batch size, and the floors the machine allows."""
+    time_steps(m, tokenizer, 1, 2)                            # warm-up: first calls allocate
+    bandwidth, flops = machine_limits(m.device)
     matmul_params = m.num_parameters - m.config.vocab_size * m.config.hidden_size * (
         0 if m.config.tie_word_embeddings else 1)            # the embedding lookup is not a matmul
     table = {"bandwidth": bandwidth, "flops": flops, "weight_bytes": m.weight_bytes, "rows": {}}
     for b in batch_sizes:
-        parts = time_steps(engine, b, steps)
+        parts = time_steps(m, tokenizer, b, steps)
         parts["floor_bandwidth"] = m.weight_bytes / bandwidth  # every weight read once per step
         parts["floor_flops"] = 2 * matmul_params * b / flops   # one multiply-add per weight per row
         table["rows"][b] = parts
@@ -196,13 +195,14 @@ def main() -> None:
                         help="instead: time the layers' matmuls with the weights row-major and input-major")
     args = parser.parse_args()
     try:
-        engine = engine10.ModelEngine(args.model, device=args.device)
+        device, folder = pick_device(args.device), model_folder(args.model)
+        model, tokenizer = load_model(folder, pick_dtype(None, device), device), load_tokenizer(folder)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.layouts:
-        print_layouts(time_layouts(engine.model))
+        print_layouts(time_layouts(model))
         return
-    table = profile_decode(engine)
+    table = profile_decode(model, tokenizer)
     print_profile(table)
     if args.plot:
         plot_profile(table, args.plot)

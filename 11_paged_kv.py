@@ -26,7 +26,6 @@ paged-attention kernel reads them where they lie instead).
 from __future__ import annotations
 
 from minivllm.block_manager import BlockManager
-from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, KVPool, PagedBatch, PoolFullError  # noqa: F401
 
 # The pool and its batch live in minivllm/kv_cache.py, the block manager in minivllm/block_manager.py.
 

@@ -27,12 +27,12 @@ import itertools
 import torch
 
 from kit import cli
-from kit.workloads import load_workload
+from kit.demo import demo, demo_parser
+from kit.workloads import load_workload, reference_prompts
+from minivllm.contracts import SamplingParams
+from minivllm.kv_cache import DEFAULT_BLOCK_SIZE
 
-engine04 = importlib.import_module("04_engine")
-paged = importlib.import_module("11_paged_kv")
 engine11 = importlib.import_module("11_paged_kv_engine")
-SamplingParams = engine04.SamplingParams
 
 
 # --8<-- [start:capacity]
@@ -141,9 +141,9 @@ def plot(table: dict, workload: dict, bytes_per_token: int, block_size: int,
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 7: a paged KV cache.")
+    parser = demo_parser("Chapter 7: a paged KV cache.")
     parser.add_argument("--kv-memory", default="512MB", help="KV pool size (default 512MB; MB means MiB, 2**20 bytes)")
-    parser.add_argument("--block-size", type=int, default=paged.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--plot", metavar="PNG", type=cli.plot_file(),
                         help="save memory-vs-requests and block-table pictures")
     args = parser.parse_args()
@@ -152,13 +152,13 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     engine_class = functools.partial(engine11.PagedEngine, kv_memory=kv_memory, block_size=args.block_size)
-    engine, _, _ = engine04.demo(engine_class, args)
+    engine, _, _ = demo(engine_class, args)
     per_token = engine.model.config.kv_bytes_per_token(engine.model.dtype)
     workload = load_workload()
     table = capacity(workload, kv_memory, per_token, args.block_size)
     print_capacity(table, capacity_header(kv_memory, per_token, engine.blocks.num_blocks, args.block_size))
 
-    prompts = engine04.reference_prompts()[:4]
+    prompts = reference_prompts()[:4]
     live = live_block_tables(engine, prompts, steps=20, params=SamplingParams(ignore_eos=True))
     print(f"\n[Block tables after prefill + 20 decode steps]  pool of {engine.blocks.num_blocks} blocks "
           f"x {args.block_size} tokens")

@@ -16,12 +16,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kit.demo import engine_main
 from minivllm.block_manager import BlockManager
 from minivllm.contracts import SamplingParams, is_integer
-from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY, KVPool, describe_pool
+from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY
+from minivllm.kv_cache import KVPool, describe_pool
 from minivllm.output import Request
 
-engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
 
 
@@ -110,7 +111,7 @@ class PagedEngine(engine10.ModelEngine):
 
 
 def main() -> None:
-    engine04.engine_main(PagedEngine, "Chapter 7: Chapter 6's engine on a pool of KV blocks.")
+    engine_main(PagedEngine, "Chapter 7: Chapter 6's engine on a pool of KV blocks.")
 
 
 if __name__ == "__main__":

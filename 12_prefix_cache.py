@@ -10,7 +10,7 @@ minivllm/prefix_cache.py; this script walks it by hand on made-up blocks, no mod
 
 from __future__ import annotations
 
-from minivllm.prefix_cache import ROOT_HASH, CachedBlock, PrefixCachingBlockManager, block_hash  # noqa: F401
+from minivllm.prefix_cache import PrefixCachingBlockManager
 
 # The cache itself (block hashes, the caching block manager): minivllm/prefix_cache.py
 

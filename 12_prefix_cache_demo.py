@@ -19,19 +19,19 @@ import importlib
 import json
 import time
 
-
 from kit import cli
+from kit.engines import load_engine
+from kit.workloads import REPO_ROOT
+from minivllm.contracts import SamplingParams
 from minivllm.kv_cache import DEFAULT_BLOCK_SIZE
+from minivllm.prefix_cache import PrefixCachingBlockManager
+from minivllm.text import render_chat
 
-setup = importlib.import_module("01_setup")
-engine04 = importlib.import_module("04_engine")
-pc = importlib.import_module("12_prefix_cache")
 engine12 = importlib.import_module("12_prefix_cache_engine")
-SamplingParams = engine04.SamplingParams
 
 
 def load_workload() -> dict:
-    return json.loads((setup.REPO_ROOT / "data" / "prefix_cache_workload.json").read_text())
+    return json.loads((REPO_ROOT / "data" / "prefix_cache_workload.json").read_text())
 
 
 # --8<-- [start:pair]
@@ -59,7 +59,7 @@ def shared_system_prompt(engine, workload: dict, n: int, max_new_tokens: int) ->
     print(f"  {'#':>3} {'prompt':>7} {'cached':>7}   {'TTFT off':>9} {'TTFT on':>9}   question")
     rows = []
     for i, question in enumerate(workload["questions"][:n]):
-        prompt = engine04.render_chat(engine.tokenizer, [system, {"role": "user", "content": question}])
+        prompt = render_chat(engine.tokenizer, [system, {"role": "user", "content": question}])
         row = off_and_on(engine, prompt, max_new_tokens, on_first=i % 2 == 1)
         rows.append(row)
         print(f"  {i + 1:>3} {row['prompt_tokens']:>7} {row['cached']:>7}   {row['ttft_off']:>6.0f} ms "
@@ -74,7 +74,7 @@ def conversation(engine, workload: dict, max_new_tokens: int) -> list[dict]:
     rows = []
     for i, turn in enumerate(workload["conversation"]):
         history.append({"role": "user", "content": turn})
-        row = off_and_on(engine, engine04.render_chat(engine.tokenizer, history), max_new_tokens, i % 2 == 1)
+        row = off_and_on(engine, render_chat(engine.tokenizer, history), max_new_tokens, i % 2 == 1)
         history.append({"role": "assistant", "content": row["text"]})
         rows.append(row)
         print(f"  {i + 1:>4} {row['prompt_tokens']:>7} {row['cached']:>7}   {row['ttft_off']:>6.0f} ms "
@@ -85,11 +85,11 @@ def conversation(engine, workload: dict, max_new_tokens: int) -> list[dict]:
 # --8<-- [start:at-once]
 def blocks_if_concurrent(engine, workload: dict, n: int) -> tuple[int, int]:
     """Pool blocks the n question prompts would hold if all ran at once: (without, with sharing)."""
-    m = pc.PrefixCachingBlockManager(engine.pool.num_blocks, engine.pool.block_size)
+    m = PrefixCachingBlockManager(engine.pool.num_blocks, engine.pool.block_size)
     system = {"role": "system", "content": workload["system"]}
     without = 0
     for seq_id, question in enumerate(workload["questions"][:n]):
-        ids = engine.tokenizer(engine04.render_chat(engine.tokenizer, [system, {"role": "user", "content": question}])
+        ids = engine.tokenizer(render_chat(engine.tokenizer, [system, {"role": "user", "content": question}])
                                ).input_ids
         without += m.blocks_for(len(ids))
         m.allocate_prompt(seq_id, ids)
@@ -103,10 +103,10 @@ def all_at_once(spec: str, args, workload: dict, n: int) -> None:
     """The n questions in one generate_batch call, on two engines built from `spec` with
     prefix_caching off and on. Under a scheduler (Chapter 9) a long prompt is prefilled in chunks
     over several steps, so requests admitted after the first find its published blocks."""
-    engines = {on: engine04.load_engine(spec, args.model, device=args.device, block_size=args.block_size,
-                                        prefix_caching=on) for on in (False, True)}
+    engines = {on: load_engine(spec, args.model, device=args.device, block_size=args.block_size,
+                               prefix_caching=on) for on in (False, True)}
     system = {"role": "system", "content": workload["system"]}
-    prompts = [engine04.render_chat(engines[True].tokenizer, [system, {"role": "user", "content": q}])
+    prompts = [render_chat(engines[True].tokenizer, [system, {"role": "user", "content": q}])
                for q in workload["questions"][:n]]
     print(f"\n[{n} questions in one generate_batch call: {spec}]")
     done = {}

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from minivllm.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY
+from kit.demo import engine_main
+from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY
 from minivllm.prefix_cache import PrefixCachingBlockManager
 
-engine04 = importlib.import_module("04_engine")
 engine11 = importlib.import_module("11_paged_kv_engine")
 
 
@@ -66,7 +66,7 @@ class PrefixCachingEngine(engine11.PagedEngine):
 
 
 def main() -> None:
-    engine04.engine_main(PrefixCachingEngine, "Chapter 8: Chapter 7's engine with a prefix cache.")
+    engine_main(PrefixCachingEngine, "Chapter 8: Chapter 7's engine with a prefix cache.")
 
 
 if __name__ == "__main__":

@@ -35,13 +35,13 @@ import random
 import threading
 import time
 
-from kit.cli import parse_bytes
 from kit import bench, cli, workloads
-from minivllm import LLM
+from kit.cli import parse_bytes
+from kit.workloads import WorkItem
+from minivllm import LLM, model_files
+from minivllm.contracts import SamplingParams
 
-engine04 = importlib.import_module("04_engine")
 static09 = importlib.import_module("09_static_batching")
-SamplingParams, WorkItem = engine04.SamplingParams, workloads.WorkItem
 
 
 class TracedEngine(LLM):
@@ -308,7 +308,7 @@ def plot(runs: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="Chapter 9: continuous batching on a mixed workload, traced.")
     cli.add_model_flags(parser)
-    parser.add_argument("--dtype", default="auto", choices=engine04.model_files.DTYPE_NAMES)
+    parser.add_argument("--dtype", default="auto", choices=model_files.DTYPE_NAMES)
     parser.add_argument("--requests", type=cli.integer(1, 1000), default=None,
                         help="first N of the mixed workload (default 12)")
     parser.add_argument("--rate", type=cli.number(above=0), default=4.0,

@@ -38,15 +38,14 @@ from the request's own queue, and `abort()` frees its blocks at the next step
 
 from __future__ import annotations
 
-import importlib
 
+from kit.demo import engine_main
 from minivllm import LLM
 
-engine04 = importlib.import_module("04_engine")
 
 
 def main() -> None:
-    engine, _, _ = engine04.engine_main(LLM, "Chapter 9: the assembled engine, every feature a switch.")
+    engine, _, _ = engine_main(LLM, "Chapter 9: the assembled engine, every feature a switch.")
     print(f"  {'features':<15} {engine.features()}")
     engine.close()
 

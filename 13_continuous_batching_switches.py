@@ -23,13 +23,11 @@ import importlib
 import json
 import time
 
-import torch
-
 from kit import bench, cli, progress, workloads
 from minivllm import LLM
+from minivllm.contracts import SamplingParams
 from minivllm.threads import thread_count
 
-engine04 = importlib.import_module("04_engine")
 offline = importlib.import_module("06_benchmark_offline")
 
 # --8<-- [start:settings]
@@ -67,7 +65,7 @@ def run_once(engine, items: list, params) -> tuple[list, float, list]:
 
 def run_settings(engines: dict, items: list, rounds: int) -> dict:
     """Alternating rounds (forward, then backward) of the same requests through every engine."""
-    params = engine04.SamplingParams(ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     records, seconds, cached = {k: [] for k in engines}, dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     outputs = {}
     estimate = 0.0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import time
 from types import SimpleNamespace
 
@@ -28,11 +27,9 @@ import torch
 
 from kit import cli, workloads
 from minivllm import LLM
+from minivllm.contracts import SamplingParams
+from minivllm.roofline import measure_matmul_peak, weight_flops   # Chapters 3 and 4: the FLOPs, the peak
 from minivllm.threads import thread_count
-
-engine04 = importlib.import_module("04_engine")
-kv = importlib.import_module("08_kv_cache")              # Chapter 3: the FLOPs of the weight matmuls
-roofline = importlib.import_module("08_roofline")        # Chapter 4: the machine's matmul peak
 
 
 # --8<-- [start:matmuls]
@@ -60,10 +57,10 @@ def matmuls_ms(model, tokens: int = 1, heads: int = 1) -> float:
 def matmul_flops(model, tokens: int = 1, heads: int = 1) -> int:
     """The FLOPs matmuls_ms times, counted as Chapter 3 counts them (from Chapter 6's config)."""
     c = model.config
-    return kv.weight_flops(SimpleNamespace(num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                                           num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                           hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                                           vocab_size=c.vocab_size), tokens, heads)
+    return weight_flops(SimpleNamespace(num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                                        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                        vocab_size=c.vocab_size), tokens, heads)
 
 
 def main() -> None:
@@ -79,7 +76,7 @@ def main() -> None:
         engine = LLM(args.model, device=args.device, compile=args.compile)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    params = engine04.SamplingParams(ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     items = workloads.mixed_workload(engine.tokenizer, args.requests)
     if args.requests < 32:
         items = [dataclasses.replace(it, max_new_tokens=max(2, it.max_new_tokens * args.requests // 32))
@@ -104,7 +101,7 @@ def main() -> None:
             cost[shape] = min(matmuls_ms(engine.model, *shape) for _ in range(5))   # a bound: the fastest
     bound = sum(cost[s] for s in shapes) / 1e3
     # --8<-- [start:peak]
-    peak = roofline.measure_matmul_peak(torch.device("cpu"), label="matmul peak, float32 GEMM")
+    peak = measure_matmul_peak(torch.device("cpu"), label="matmul peak, float32 GEMM")
     flops_bound = sum(matmul_flops(engine.model, *s) for s in shapes) / peak   # any schedule's
     # --8<-- [end:peak]
     engine.close()

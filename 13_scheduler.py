@@ -12,7 +12,7 @@ from __future__ import annotations
 from minivllm.block_manager import BlockManager
 from minivllm.contracts import SamplingParams
 from minivllm.output import Request
-from minivllm.scheduler import ScheduledBatch, Scheduler  # noqa: F401
+from minivllm.scheduler import Scheduler
 
 # The scheduler itself: minivllm/scheduler.py. Here it runs on made-up requests, with no model.
 

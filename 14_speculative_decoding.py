@@ -32,22 +32,16 @@ In the assembled engine (Chapter 9) speculation is a switch with the same names 
 
 from __future__ import annotations
 
-import importlib
-
+from kit.demo import engine_main
 from minivllm.llm import LLM
-from minivllm.speculative import (COPYING_PROMPT,  # noqa: F401
-                                  SPECULATION_TOKEN_BUDGET, DraftModelProposer, NgramProposer, SpeculativeDecoding,
-                                  Speculator, accept_guesses, draw, within_grammar)
-
-engine04 = importlib.import_module("04_engine")
+from minivllm.speculative import COPYING_PROMPT
 
 # The guessers, the verification and the option live in minivllm/speculative.py; LLM wires them.
 
 
 def main() -> None:
-    engine, _, _ = engine04.engine_main(LLM,
-                                        "Chapter 10: the assembled engine, guessing and verifying.",
-                                        speculative="ngram", prompt=COPYING_PROMPT)
+    engine, _, _ = engine_main(LLM, "Chapter 10: the assembled engine, guessing and verifying.",
+                               speculative="ngram", prompt=COPYING_PROMPT)
     print(f"  {'features':<15} {engine.features()}")
     engine.close()
 

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -28,13 +27,10 @@ import time
 import torch
 
 from kit import cli, workloads
-from minivllm import LLM
-from minivllm import threads
+from minivllm import LLM, threads
 from minivllm.config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
-
-engine04 = importlib.import_module("04_engine")
-spec = importlib.import_module("14_speculative_decoding")
-SamplingParams = engine04.SamplingParams
+from minivllm.model_files import load_hf_model, resolve_model
+from minivllm.text import render_chat
 
 WORKLOADS = {"input-grounded": "data/speculative_input_grounded.json", "open chat": "data/speculative_open_chat.json"}
 TRACE_PROMPT = 0   # the one whose answer copies most of its input
@@ -152,8 +148,9 @@ def sweep(plain, engines: dict, prompts: list[str], ks: list[int], new_tokens: i
     return rows
 
 
-def hf_reference(hf, prompts: list[str], ks: list[int], new_tokens: int) -> list[dict]:
+def hf_reference(model_name: str | None, prompts: list[str], ks: list[int], new_tokens: int) -> list[dict]:
     """HF's assisted generation against plain generate, on the same prompts, alternating."""
+    tokenizer, model = load_hf_model(model_name, "cpu")
     assistant = None
     rows = []
     for how in ("prompt lookup", "assistant bf16"):
@@ -161,18 +158,17 @@ def hf_reference(hf, prompts: list[str], ks: list[int], new_tokens: int) -> list
             extra = {"prompt_lookup_num_tokens": k}
             if how == "assistant bf16":
                 if assistant is None:
-                    folder = engine04.setup.resolve_model(hf.model_name)
-                    assistant = type(hf.model).from_pretrained(folder, dtype=torch.bfloat16).eval()
+                    assistant = type(model).from_pretrained(resolve_model(model_name), dtype=torch.bfloat16).eval()
                 assistant.generation_config.num_assistant_tokens = k
                 assistant.generation_config.num_assistant_tokens_schedule = "constant"
                 extra = {"assistant_model": assistant}
             t_plain = t_assist = 0.0
             for prompt in prompts:
-                ids = hf.tokenizer(prompt, return_tensors="pt")
-                run = dict(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=hf.tokenizer.eos_token_id)
+                ids = tokenizer(prompt, return_tensors="pt")
+                run = dict(**ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
                 with torch.inference_mode():
-                    a, ta = timed(hf.model.generate, **run)
-                    b, tb = timed(hf.model.generate, **run, **extra)
+                    a, ta = timed(model.generate, **run)
+                    b, tb = timed(model.generate, **run, **extra)
                 t_plain, t_assist = t_plain + ta, t_assist + tb
             rows.append({"method": f"HF {how}", "k": k, "speedup": t_plain / t_assist})
     return rows
@@ -222,7 +218,7 @@ def main() -> None:
         chat = workloads.load_prompts(WORKLOADS["input-grounded"])[args.trace_prompt]["messages"]
         for method, title in (("ngram", "prompt lookup"), ("draft", "the int4 self-draft")):
             print(f"\n[One request, {title}, k={engines[method].speculator.k}: {chat[0]['content'][:50]!r}...]")
-            show_trace(engines[method], engine04.render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
+            show_trace(engines[method], render_chat(plain.tokenizer, chat), plain.tokenizer, 64)
         print(f"\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached; {cpu}]")
         print_costs({"float32 weights as loaded": verification_cost(plain)})
     if args.part in ("all", "sweep"):
@@ -240,10 +236,10 @@ def table(plain, engines: dict, args, cpu: str) -> dict:
     """The sweep on both workloads (and HF's beside it), printed as one table."""
     results = {}
     for name, path in WORKLOADS.items():
-        prompts = [engine04.render_chat(plain.tokenizer, p["messages"]) for p in workloads.load_prompts(path, args.prompts)]
+        prompts = [render_chat(plain.tokenizer, p["messages"]) for p in workloads.load_prompts(path, args.prompts)]
         results[name] = sweep(plain, engines, prompts, args.ks, args.max_new_tokens)
         if not args.no_hf:
-            results[name] += hf_reference(engine04.BaselineEngine(args.model, device="cpu"), prompts, args.ks, args.max_new_tokens)
+            results[name] += hf_reference(args.model, prompts, args.ks, args.max_new_tokens)
     print(f"\n[batch 1, greedy, {args.prompts} prompts x {args.max_new_tokens} new tokens each, "
           f"speed-up over the same engine without speculation (HF: over plain generate); {cpu}]")
     print(f"  {'workload':<15} {'drafter':<20} {'k':>2}  {'kept':>5}  {'tokens/forward':>14}  {'speed-up':>8}")

@@ -34,8 +34,7 @@ import torch
 from kit import cli
 from minivllm.contracts import SamplingParams
 from minivllm.output import pack_bits
-from minivllm.structured import (GrammarConstraint, StructuredOutput, compile_spec, compiler_for,  # noqa: F401
-                                 make_constraint)
+from minivllm.structured import GrammarConstraint, StructuredOutput, compile_spec, compiler_for
 from minivllm.text import render_chat
 
 

@@ -15,7 +15,6 @@ time of each schema is reported apart (it is paid once, then cached).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import re
 import statistics
@@ -26,10 +25,10 @@ import jsonschema
 
 from kit import cli, progress
 from minivllm import LLM
+from minivllm.contracts import SamplingParams
+from minivllm.structured import compile_spec, compiler_for, make_constraint
+from minivllm.text import render_chat
 
-engine04 = importlib.import_module("04_engine")
-so = importlib.import_module("15_structured_output")
-SamplingParams = engine04.SamplingParams
 TASKS = Path(__file__).resolve().parent / "data" / "structured_output.json"
 BUDGET = 160
 
@@ -93,7 +92,7 @@ def mask_cost(engine, spec: tuple, output_ids: list[int]) -> list[float]:
     import torch
 
     out = engine.output
-    constraint = so.make_constraint(engine.tokenizer, out.vocab_size, out.eos_token_ids, spec)
+    constraint = make_constraint(engine.tokenizer, out.vocab_size, out.eos_token_ids, spec)
     row, times = torch.zeros(out.vocab_size), []
     for token in output_ids:
         t0 = time.perf_counter()
@@ -164,17 +163,17 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLM(args.model, device=args.device)
     tasks = load_tasks()
-    prompts = [engine04.render_chat(engine.tokenizer, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    prompts = [render_chat(engine.tokenizer, [{"role": "user", "content": t["prompt"]}]) for t in tasks]
 
     print("\n[Compiling each schema against the vocabulary: once, then cached]")
     out = engine.output
-    so.compiler_for(engine.tokenizer, out.vocab_size, tuple(sorted(out.eos_token_ids)))   # the vocabulary, once
+    compiler_for(engine.tokenizer, out.vocab_size, tuple(sorted(out.eos_token_ids)))   # the vocabulary, once
     for task in tasks:
         spec = SamplingParams(structured={"json_schema": task["schema"]}).structured
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            so.compile_spec(engine.tokenizer, out.vocab_size, tuple(sorted(out.eos_token_ids)), spec)
+            compile_spec(engine.tokenizer, out.vocab_size, tuple(sorted(out.eos_token_ids)), spec)
             times.append((time.perf_counter() - t0) * 1e3)
         print(f"  {task['name']:8s} compile {times[0]:6.2f} ms, again {times[1]:5.3f} ms")
 

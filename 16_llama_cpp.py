@@ -15,16 +15,16 @@ the way our engines take it: TTFT to the first token, TPOT over the rest.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from pathlib import Path
-
-engine04 = importlib.import_module("04_engine")
-contracts = importlib.import_module("03_contracts")
+from kit.demo import metric_lines
+from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
+from minivllm.model_files import resolve_model
+from minivllm.text import render_chat
 
 
 # --8<-- [start:anchor]
-class LlamaCppEngine(engine04.BaseOfflineEngine):
+class LlamaCppEngine(BaseOfflineEngine):
     """Greedy decoding only: an anchor for speed, not a server engine."""
 
     def __init__(self, gguf: str | Path, tokenizer, threads: int, context: int = 2048):
@@ -39,9 +39,9 @@ class LlamaCppEngine(engine04.BaseOfflineEngine):
         self.tokenizer, self.context = tokenizer, context
         self.file_bytes = Path(gguf).stat().st_size
 
-    def generate(self, prompt: str, max_new_tokens: int, params=None) -> contracts.GenerateResult:
-        params = contracts.SamplingParams.or_default(params)
-        if dataclasses.replace(params, ignore_eos=False, max_tokens=None) != contracts.SamplingParams():
+    def generate(self, prompt: str, max_new_tokens: int, params=None) -> GenerateResult:
+        params = SamplingParams.or_default(params)
+        if dataclasses.replace(params, ignore_eos=False, max_tokens=None) != SamplingParams():
             raise ValueError("LlamaCppEngine is a speed anchor: plain greedy decoding only "
                              "(ignore_eos and max_tokens are honoured, nothing else)")
         budget = params.token_budget(max_new_tokens)
@@ -57,14 +57,14 @@ class LlamaCppEngine(engine04.BaseOfflineEngine):
             if len(out) == budget:
                 break
         total = time.perf_counter() - t0
-        metrics = contracts.RequestMetrics(
+        metrics = RequestMetrics(
             throughput=len(out) / total, input_tokens=len(ids), output_tokens=len(out),
             ttft_ms=(times[0] - t0) * 1e3 if times else None,
             tpot_ms=(times[-1] - times[0]) / (len(out) - 1) * 1e3 if len(out) > 1 else None)
-        return contracts.GenerateResult(self.tokenizer.decode(out, skip_special_tokens=True), out, metrics,
-                                        "length" if len(out) == budget else "stop")
+        return GenerateResult(self.tokenizer.decode(out, skip_special_tokens=True), out, metrics,
+                              "length" if len(out) == budget else "stop")
 
-    def generate_batch(self, prompts: list[str], max_new_tokens: int, params=None) -> list[contracts.GenerateResult]:
+    def generate_batch(self, prompts: list[str], max_new_tokens: int, params=None) -> list[GenerateResult]:
         return [self.generate(p, max_new_tokens, params) for p in prompts]
 # --8<-- [end:anchor]
 
@@ -76,7 +76,6 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    setup = importlib.import_module("01_setup")
     parser = argparse.ArgumentParser(description="llama.cpp on a GGUF file, behind our engine interface.")
     parser.add_argument("gguf", help="the model's GGUF file (see this file's docstring for where to get it)")
     parser.add_argument("--model", default=None, help="the HF folder whose tokenizer matches the GGUF")
@@ -84,14 +83,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(setup.resolve_model(args.model))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
         engine = LlamaCppEngine(args.gguf, tokenizer, torch.get_num_threads())
-        prompt = engine04.render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+        prompt = render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
         result = engine.generate(prompt, args.max_new_tokens)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(f"[Prompt]\n  {args.prompt}\n\n[Output]\n  {result.text.strip()}\n\n[Metrics]")
-    print("\n".join(engine04.metric_lines(result.metrics)))   # with units: throughput in tokens/s
+    print("\n".join(metric_lines(result.metrics)))   # with units: throughput in tokens/s
 
 
 if __name__ == "__main__":

@@ -26,11 +26,7 @@ import time
 import torch
 
 from minivllm import threads as cpu_threads
-
-from minivllm.quantization import (GROUP_SIZES, HEAD_FORMATS, KERNEL_DTYPE, LINEAR_LAYERS, MODES,  # noqa: F401
-                                   HalfWeight, Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight, WeightFormat,
-                                   dequantize_int4, dequantize_int8, format_name_of, head_format, quantize,
-                                   check_settings, inner_k_tiles, quantize_int4, quantize_int8, quantize_weight)
+from minivllm.quantization import GROUP_SIZES, HalfWeight, Int4Weight, Int8Weight, W8A8Weight
 
 # The formats, their weights and `quantize(model, ...)` live in minivllm/quantization.py.
 

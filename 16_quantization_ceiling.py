@@ -31,18 +31,19 @@ import time
 import torch
 
 from kit import cli
+from kit.quant_modes import parse_mode
+from minivllm.batch import RaggedBatch
+from minivllm.model import LlamaModel
+from minivllm.model_files import model_folder, pick_device, pick_dtype
+from minivllm.model_runner import load_model
+from minivllm.quantization import format_name_of, quantize
 from minivllm.threads import thread_count
 
-model10 = importlib.import_module("10_model")
-engine10 = importlib.import_module("10_model_engine")
-quant16 = importlib.import_module("16_quantization")
-demo16 = importlib.import_module("16_quantization_demo")
 matmuls_ms = importlib.import_module("13_matmul_bound").matmuls_ms   # one decode step's weight matmuls
-engine04 = importlib.import_module("04_engine")
 
 
 # --8<-- [start:hollow]
-def without_matmuls(model: model10.LlamaModel) -> model10.LlamaModel:
+def without_matmuls(model: LlamaModel) -> LlamaModel:
     """The same model, except that linear() hands back a ready-made zero tensor of the right shape."""
     c, hollow, ready = model.config, copy.copy(model), {}
     out_features = {"qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "o": c.hidden_size,
@@ -58,15 +59,15 @@ def without_matmuls(model: model10.LlamaModel) -> model10.LlamaModel:
 # --8<-- [end:hollow]
 
 
-def step_ms(model: model10.LlamaModel, context: int = 40, steps: int = 16) -> float:
+def step_ms(model: LlamaModel, context: int = 40, steps: int = 16) -> float:
     """Median time of a whole batch-1 decode step after a `context`-token prefill."""
     cache, device = model.new_cache(1, context + steps), model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model.forward(model10.RaggedBatch.build([list(range(100, 100 + context))], [0], [0], context + steps, device),
+    model.forward(RaggedBatch.build([list(range(100, 100 + context))], [0], [0], context + steps, device),
                   cache)
     times = []
     for t in range(steps):
-        batch = model10.RaggedBatch.build([[5]], [0], [context + t], context + steps, device)
+        batch = RaggedBatch.build([[5]], [0], [context + t], context + steps, device)
         sync()
         t0 = time.perf_counter()
         model.forward(batch, cache)
@@ -89,11 +90,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=cli.integer(1, 100), default=7, help="alternating rounds (the median is shown)")
     args = parser.parse_args()
     try:
-        specs = list(dict.fromkeys(["none", *args.modes]))      # float32 first: every ratio is against it
-        for spec in specs:
-            demo16.parse_mode(spec)                              # a typo fails before the model loads
-        base = engine10.ModelEngine(args.model, device=args.device)
-        models = {quant16.format_name_of(*demo16.parse_mode(s)): demo16.variant(base, s).model for s in specs}
+        # float32 first: every ratio is against it; a typo fails before the model loads
+        modes = [parse_mode(spec) for spec in dict.fromkeys(["none", *args.modes])]
+        device = pick_device(args.device)
+        base = load_model(model_folder(args.model), pick_dtype(None, device), device)   # as ModelEngine loads it
+        models = {format_name_of(*mode): base if mode[0] == "none" else quantize(base, *mode) for mode in modes}
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from None
     mm, rest, step = {n: [] for n in models}, {n: [] for n in models}, {n: [] for n in models}
@@ -108,7 +109,7 @@ def main() -> None:
                 step[name].append(step_ms(model))
     median = {name: [statistics.median(m[name]) for m in (mm, rest, step)] for name in models}
     first = median[next(iter(models))]
-    where = thread_count() if base.device.type == "cpu" else str(base.device)
+    where = thread_count() if device.type == "cpu" else str(device)
     print(f"\n[Chapter 12] batch-1 decode on {where}, median of {args.rounds} "
           f"alternating rounds; ratios: float32's time over the mode's\n")
     print(f"  {'mode':<14}{'matmuls':>20}{'everything else':>20}{'whole step':>20}")

@@ -31,36 +31,23 @@ import torch
 import torch.nn.functional as F
 
 from kit import cli
+from kit.quant_modes import parse_mode
+from kit.workloads import REPO_ROOT, reference_prompts
+from minivllm.batch import RaggedBatch
+from minivllm.contracts import SamplingParams
+from minivllm.model import LlamaModel
+from minivllm.model_files import DEFAULT_MODEL
+from minivllm.quantization import format_name_of, quantize
+from minivllm.text import render_chat
 from minivllm.threads import thread_count
 
-setup = importlib.import_module("01_setup")
-engine04 = importlib.import_module("04_engine")
-model10 = importlib.import_module("10_model")
-engine10 = importlib.import_module("10_model_engine")
-quant16 = importlib.import_module("16_quantization")
-SamplingParams = engine04.SamplingParams
-HELDOUT_PATH = setup.REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
+engine04 = importlib.import_module("04_engine")        # HF's generate: the reference row
+engine10 = importlib.import_module("10_model_engine")  # Chapter 6's engine, on each weight format
+
+HELDOUT_PATH = REPO_ROOT / "data" / "heldout_ruth_kjv.txt"
 LLAMA_CPP = "llama.cpp Q4_1 GGUF"
 DEFAULT_MODES = ["none", "bf16", "fp16", "int8", "int8-f32head", "int4-g32", "int4-g32-int4head",
                  "int4-g64", "int4-g64-f32head"]
-
-
-def parse_mode(spec: str) -> tuple[str, int, str]:
-    """'int4-g64-f32head' -> ('int4', 64, 'f32'): quant, group size, the head's format."""
-    quant, *rest = spec.split("-")
-    group, head, grouped = 32, "auto", False
-    for part in rest:
-        if part.startswith("g") and part[1:].isdigit():
-            group, grouped = int(part[1:]), True
-        elif part.endswith("head") and part.removesuffix("head") in quant16.HEAD_FORMATS:
-            head = part.removesuffix("head")
-        else:
-            raise ValueError(f"cannot read mode {spec!r}: expected e.g. int8, int4-g64, int4-g32-f32head, "
-                             f"int4-g32-int4head")
-    quant16.check_settings(quant, group, head)
-    if grouped and "int4" not in (quant, head):
-        raise ValueError(f"mode {spec!r}: a group size only applies to int4 (layers or head)")
-    return quant, group, head
 
 
 def variant(base: engine10.ModelEngine, spec: str) -> engine10.ModelEngine:
@@ -70,7 +57,7 @@ def variant(base: engine10.ModelEngine, spec: str) -> engine10.ModelEngine:
         return base                                    # Chapter 6's float32 engine itself
     engine = copy.copy(base)
     engine.runner = copy.copy(base.runner)       # the same runner, handed other weights (Chapter 12's swap)
-    engine.runner.model = quant16.quantize(base.model, quant, group, head)
+    engine.runner.model = quantize(base.model, quant, group, head)
     return engine
 
 
@@ -81,7 +68,7 @@ def heldout_ids(tokenizer) -> list[int]:
     return tokenizer("".join(l for l in lines if not l.startswith("#")).strip()).input_ids
 
 
-def perplexity(model: model10.LlamaModel, ids: list[int], window: int = 512) -> float:
+def perplexity(model: LlamaModel, ids: list[int], window: int = 512) -> float:
     """exp(mean negative log-likelihood) of every next token, in windows of `window` tokens.
 
     How surprised the model is by real text: quantisation noise that matters shows up
@@ -91,7 +78,7 @@ def perplexity(model: model10.LlamaModel, ids: list[int], window: int = 512) -> 
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start: start + window + 1]
         inputs, targets = chunk[:-1], torch.tensor(chunk[1:], device=model.device)
-        batch = model10.RaggedBatch.build([inputs], [0], [0], len(inputs), model.device)
+        batch = RaggedBatch.build([inputs], [0], [0], len(inputs), model.device)
         logits = model.forward(batch, model.new_cache(1, len(inputs)), all_logits=True)
         nll += float(F.cross_entropy(logits, targets, reduction="sum"))
         count += len(targets)
@@ -263,7 +250,7 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     engines = {}
     for spec in specs:
-        engines[quant16.format_name_of(*parse_mode(spec))] = variant(base, spec)
+        engines[format_name_of(*parse_mode(spec))] = variant(base, spec)
     hf = None if args.no_hf else engine04.BaselineEngine(args.model, device=args.device)
     tok = base.tokenizer
     anchors = {"HF generate (float32)": hf} if hf else {}
@@ -273,8 +260,8 @@ def main() -> None:
                 args.llama_cpp, tok, torch.get_num_threads())
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
-    prompt = engine04.render_chat(tok, [{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
-    refs = engine04.reference_prompts()
+    prompt = render_chat(tok, [{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    refs = reference_prompts()
     batch_prompts = (refs * 5)[:32]
     print("[speed] alternating rounds ...", file=sys.stderr, flush=True)
     speed = measure_speed({**engines, **anchors}, prompt, batch_prompts, args.max_new_tokens, args.rounds)
@@ -293,7 +280,7 @@ def main() -> None:
     if LLAMA_CPP in anchors:
         rows.append({"name": LLAMA_CPP, "mb": anchors[LLAMA_CPP].file_bytes / 1e6, "b1": speed[LLAMA_CPP][0]})
     where = thread_count() if base.device.type == "cpu" else str(base.device)
-    print(f"\n[Chapter 12] {setup.DEFAULT_MODEL if args.model is None else args.model} on "
+    print(f"\n[Chapter 12] {DEFAULT_MODEL if args.model is None else args.model} on "
           f"{where}; perplexity over {len(ids)} held-out tokens; same tokens (before the first difference) "
           f"and same answers over {len(refs)} reference prompts x {args.max_new_tokens} greedy tokens; speed: "
           f"batch 1 {rounds_phrase(2 * args.rounds)}, batch 32 {rounds_phrase(args.rounds)}, "

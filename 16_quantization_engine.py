@@ -22,10 +22,10 @@ import importlib
 
 import torch
 
+from kit.demo import engine_main
 from minivllm.config import EngineConfig
 from minivllm.quantization import WeightFormat
 
-engine04 = importlib.import_module("04_engine")
 engine10 = importlib.import_module("10_model_engine")
 
 DEFAULTS = EngineConfig()   # group_size's and quant_head's defaults: the assembled engine's own
@@ -48,7 +48,7 @@ class QuantizedEngine(engine10.ModelEngine):
 
 
 def main() -> None:
-    engine04.engine_main(QuantizedEngine, "Chapter 12: Chapter 6's engine on quantised weights (default int8).")
+    engine_main(QuantizedEngine, "Chapter 12: Chapter 6's engine on quantised weights (default int8).")
 
 
 if __name__ == "__main__":

@@ -34,23 +34,20 @@ format. The code lives in `minivllm/compile.py`; this script checks it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 
 import torch
 
 from kit import cli
+from kit.workloads import reference_prompts
 from minivllm import cpu_attention
-from minivllm.config import DEFAULT_BLOCK_SIZE
 from minivllm import threads as cpu_threads
-from minivllm.packed import PackedWeight, can_pack, packed_weights  # noqa: F401
-from minivllm.compile import (FUSED_GLUE_MIN_TOKENS, Compile, Compiled, CompiledModel,  # noqa: F401
-                              add_rms_norm, compile_model, paged_decode_attention, rope_split, silu_mul)
+from minivllm.compile import FUSED_GLUE_MIN_TOKENS, CompiledModel, compile_model, silu_mul
+from minivllm.config import DEFAULT_BLOCK_SIZE
 from minivllm.kv_cache import KVPool
 from minivllm.llm import LLM
 from minivllm.model import LlamaModel, ModelConfig
-
-setup = importlib.import_module("01_setup")
+from minivllm.model_files import resolve_model
 
 
 class CompiledEngine(LLM):
@@ -161,8 +158,7 @@ def main() -> None:
         with torch.inference_mode():
             print(generated_kernel())
         return
-    engine04 = importlib.import_module("04_engine")
-    folder = setup.resolve_model(args.model)
+    folder = resolve_model(args.model)
     if args.kernel:
         config = ModelConfig.from_folder(folder)   # the shapes only: no weights loaded
         print(f"[{cpu_threads.cpu_name()}]  float32, torch {torch.__version__}")
@@ -184,7 +180,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     print("\n[same logits?]  each reference prompt's prefill, then 32 greedy tokens fed to both")
     same, worst = 0, 0.0
-    for prompt in engine04.reference_prompts():
+    for prompt in reference_prompts():
         ids = tokenizer(prompt).input_ids
         runs = []
         for model in (eager, compiled):
@@ -198,11 +194,10 @@ def main() -> None:
         worst = max(worst, float((runs[0][1][0] - runs[1][1][0]).abs().max()))
         same += runs[0][0] == runs[1][0]
     print(f"  prefill logits: max |eager - compiled| = {worst:.1e}; greedy tokens identical on "
-          f"{same} of {len(engine04.reference_prompts())} prompts")
+          f"{same} of {len(reference_prompts())} prompts")
     # --8<-- [end:check]
     if args.glue:
         print_glue_costs(glue_costs(compiled, KVPool.from_memory(c, (32 * 272 + 600) * c.kv_bytes_per_token(torch.float32))))
-
 
 
 if __name__ == "__main__":

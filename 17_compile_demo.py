@@ -31,12 +31,13 @@ import torch
 from kit import cli
 from minivllm import LLM
 from minivllm import threads as cpu_threads
+from minivllm.compile import CompiledModel, compile_model
+from minivllm.kv_cache import KVPool
+from minivllm.model_files import resolve_model
+from minivllm.model_runner import load_model
+from minivllm.packed import packed_weights
 from minivllm.quantization import WeightFormat
-
-setup = importlib.import_module("01_setup")
-paged = importlib.import_module("11_paged_kv")
-runner10 = importlib.import_module("10_model_runner")
-compile17 = importlib.import_module("17_compile")
+from minivllm.roofline import measure_bandwidth
 
 
 def best_ms(fn, rounds: int) -> float:
@@ -62,10 +63,10 @@ def decode_batch(pool, batch_size: int, context: int):
 
 def steps(folder, context: int, rounds: int, thread_counts: list[int]) -> None:
     """Whole steps, eager against compiled: decodes of 1, 8 and 32 rows, and one long prefill."""
-    eager = runner10.load_model(folder)
-    compiled = compile17.compile_model(eager)
+    eager = load_model(folder)
+    compiled = compile_model(eager)
     c = eager.config
-    pool = paged.KVPool.from_memory(c, (32 * (context + 32) + 600) * c.kv_bytes_per_token(torch.float32))
+    pool = KVPool.from_memory(c, (32 * (context + 32) + 600) * c.kv_bytes_per_token(torch.float32))
     print(f"[compile]  warm-up {compiled.warm_up(pool):.1f} s")
     print(f"[one step, ms, best of {rounds}]  eager and compiled alternate, same pool, same batch")
     settings = [(f"decode, batch {b}, {context} cached", decode_batch(pool, b, context)) for b in (1, 8, 32)]
@@ -99,7 +100,7 @@ def attention(model, pool, batch):
     """Every layer's attention alone, over the step's batch, as this model does it."""
     c = model.config
     q = torch.randn(len(batch.token_ids), c.num_heads, c.head_dim)
-    if isinstance(model, compile17.CompiledModel):
+    if isinstance(model, CompiledModel):
         return lambda: [model.attention_of(i, q, batch, pool) for i in range(c.num_layers)]
     return copy_then_sdpa(model, pool, batch, q)
 
@@ -147,7 +148,7 @@ def main() -> None:
     parser.add_argument("--thread-counts", nargs="+", type=cli.integer(1, 256), metavar="N",
                         help="steps: time each at these thread counts too (default: the current one)")
     args = parser.parse_args()
-    folder = setup.resolve_model(args.model)
+    folder = resolve_model(args.model)
     print(f"[{cpu_threads.cpu_name()}]  float32 activations, torch {torch.__version__}")
     if args.part in ("steps", "all"):
         steps(folder, args.context, args.rounds, args.thread_counts or [torch.get_num_threads()])
@@ -166,24 +167,23 @@ def verification(folder) -> None:
         print("\n[What a verification costs: one forward of the model, one sequence, 400 tokens cached]")
         spec_demo.print_costs({"float32 weights as loaded": spec_demo.verification_cost(plain),
                                "packed by oneDNN": spec_demo.verification_cost(
-                                   plain, weights=compile17.packed_weights(plain.runner.model))})
+                                   plain, weights=packed_weights(plain.runner.model))})
     finally:
         plain.close()
 
 
 def apart(folder, args) -> None:
-    roofline = importlib.import_module("08_roofline")
-    bandwidth = roofline.measure_bandwidth(torch.device("cpu"))
+    bandwidth = measure_bandwidth(torch.device("cpu"))
     print(f"\n[a decode step taken apart]  memory bandwidth {bandwidth / 1e9:.1f} GB/s (Chapter 4's measurement)")
     print(f"{'format':<8}{'batch':>6}  {'mode':<9}{'step':>8}{'matmuls':>9}{'attention':>10}{'rest':>8}"
           f"{'floor':>8}{'inductor':>10}   ms")
     rows = []
     for quant in args.formats:
-        eager = runner10.load_model(folder, features=[] if quant == "none" else [WeightFormat(quant)])
-        compiled = compile17.compile_model(eager)
+        eager = load_model(folder, features=[] if quant == "none" else [WeightFormat(quant)])
+        compiled = compile_model(eager)
         c = eager.config
-        pool = paged.KVPool.from_memory(c, (max(args.batch_sizes) * (args.context + 32) + 64)
-                                        * c.kv_bytes_per_token(torch.float32))
+        pool = KVPool.from_memory(c, (max(args.batch_sizes) * (args.context + 32) + 64)
+                                  * c.kv_bytes_per_token(torch.float32))
         compiled.warm_up(pool)
         for b in args.batch_sizes:
             batch = decode_batch(pool, b, args.context)

@@ -26,26 +26,23 @@ minivllm/parallel_workers.py; the scaling model on paper 18_tensor_parallel_scal
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 
 from kit import cli
+from kit.demo import demo, demo_parser
 from minivllm.llm import LLM
-from minivllm.collectives import Collectives  # noqa: F401
-from minivllm.parallel import (GROUP_TIMEOUT, RowParallel, Shard, VocabShard,  # noqa: F401
-                               check_size, gather_stats, join, rank_device, run_worker, serve_rank, shard)
 from minivllm.model_files import pick_device
+from minivllm.parallel import serve_rank
 
-engine04 = importlib.import_module("04_engine")
 
 # The split (the sharded weights, read rank by rank, and a worker's life) lives in minivllm/parallel.py,
 # the collectives in minivllm/collectives.py.
 
 
 def main() -> None:
-    parser = engine04.demo_parser("Chapter 14: the assembled engine on N processes (tensor parallelism).")
+    parser = demo_parser("Chapter 14: the assembled engine on N processes (tensor parallelism).")
     cli.add_engine_options(parser, only=("kv_memory", "block_size", "max_num_seqs", "max_num_batched_tokens",
                                          "tensor_parallel_size"))
     parser.add_argument("--threads", type=cli.integer(1, 1024), default=None,
@@ -63,7 +60,7 @@ def main() -> None:
     try:
         # one process is a group of one: no one to talk to, the steps timed all the same
         options["tensor_parallel_size"] = options.get("tensor_parallel_size", 1)
-        engine, prompt, params = engine04.demo(LLM, args, **options)
+        engine, prompt, params = demo(LLM, args, **options)
         engine.runner.steps.clear()           # the same request again, warm: the steps measured
         engine.generate(prompt, args.max_new_tokens, params)
         engine.runner.report()

@@ -22,7 +22,6 @@ processes) and taken from datasheets where we cannot (HBM, NVLink, PCIe, Etherne
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import socket
 import statistics
@@ -33,11 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from kit import cli
-from minivllm.model import ModelConfig
+from minivllm.batch import RaggedBatch
+from minivllm.model import LlamaModel, ModelConfig
+from minivllm.model_files import resolve_model
 from minivllm.parallel import check_size
 from minivllm.threads import thread_count
-
-model10 = importlib.import_module("10_model")
 
 
 # --8<-- [start:parts]
@@ -191,13 +190,13 @@ def measure_gloo(sizes=(2304, 1 << 16, 1 << 20), reps: int = 50) -> dict[int, fl
 
 def measure_decode_ms(folder, steps: int = 24) -> float:
     """Median ms of one batch-1 decode step of the default model, in this process."""
-    model = model10.LlamaModel.from_folder(folder)
+    model = LlamaModel.from_folder(folder)
     cache = model.new_cache(1, 64 + steps)
-    model.forward(model10.RaggedBatch.build([list(range(1, 33))], [0], [0], cache.max_len), cache)
+    model.forward(RaggedBatch.build([list(range(1, 33))], [0], [0], cache.max_len), cache)
     samples = []
     for t in range(steps):
         start = time.perf_counter()
-        model.forward(model10.RaggedBatch.build([[7]], [0], [32 + t], cache.max_len), cache)
+        model.forward(RaggedBatch.build([[7]], [0], [32 + t], cache.max_len), cache)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples) * 1e3
 # --8<-- [end:measure]
@@ -264,9 +263,8 @@ def main() -> None:
     results = table(args.batch, args.context)
     pipeline_line(args.batch, args.context)
     if args.measure:
-        setup = importlib.import_module("01_setup")
         times = measure_gloo()
-        cpu_prediction(measure_decode_ms(setup.resolve_model(args.model)), times)
+        cpu_prediction(measure_decode_ms(resolve_model(args.model)), times)
     if args.plot:
         plot(args.plot, results)
 

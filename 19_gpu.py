@@ -30,11 +30,10 @@ import torch
 from kit import cli
 from minivllm.cuda_graphs import CUDAGraphRunner, bucket_for, buckets
 from minivllm.kv_cache import KVPool
-from minivllm.model_files import pick_device
+from minivllm.model_files import pick_device, resolve_model
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.paged_attention import paged_decode, reference_decode
 
-setup = importlib.import_module("01_setup")
 engine04 = importlib.import_module("04_engine")
 
 
@@ -173,7 +172,7 @@ def main() -> None:
     if device.type != "cuda":   # Triton runs its kernels on the CPU only through its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    folder = setup.resolve_model(args.model)
+    folder = resolve_model(args.model)
     model = load_model(folder, dtype, device)
     print(f"[{device}]  {model.num_parameters / 1e6:.0f}M parameters, {dtype}, torch {torch.__version__}")
     show_buckets(args.max_num_seqs)

@@ -19,7 +19,6 @@ import time
 import anyio
 from fastapi import FastAPI, Query
 
-from minivllm.snapshot import request_row, scheduler_snapshot  # noqa: F401  (the engine's side of the page)
 
 SNAPSHOT_TTL_S = 0.25    # one snapshot serves every poll this long
 MAX_STEP = 2 ** 53       # the largest `since` accepted (JavaScript's exact integers)

@@ -53,12 +53,12 @@ class _Strict(BaseModel):
     def _text_is_unicode(cls, value):
         # JSON can spell half of a UTF-16 pair ("\ud800"), which is no character at all: the
         # tokenizer cannot read it and no reply could echo it. Refused here, naming the field.
-        for text in value if isinstance(value, list) else value.keys() if isinstance(value, dict) else [value]:
-            if isinstance(text, str) and not text.isascii():
+        for piece in value if isinstance(value, list) else value.keys() if isinstance(value, dict) else [value]:
+            if isinstance(piece, str) and not piece.isascii():
                 try:
-                    text.encode("utf-8")
+                    piece.encode("utf-8")
                 except UnicodeEncodeError as exc:
-                    raise ValueError(f"the text has a lone surrogate (\\u{ord(text[exc.start]):04x}), "
+                    raise ValueError(f"the text has a lone surrogate (\\u{ord(piece[exc.start]):04x}), "
                                      "which is not a Unicode character") from None
         return value
 

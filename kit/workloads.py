@@ -124,3 +124,9 @@ def batch_workload(tokenizer, n: int = 32, seed: int = 0) -> list[WorkItem]:
     """Batch n: the mixed workload's first n prompts, 128 new tokens each. Unlike the mixed
     workload every request has the same budget, so no engine loses time to uneven lengths."""
     return [WorkItem(w.prompt, TABLE_NEW_TOKENS) for w in mixed_workload(tokenizer, n, seed)]
+
+
+def reference_prompts() -> list[str]:
+    """The committed prompts on which every engine must match the baseline token for token."""
+    path = REPO_ROOT / "data" / "reference_prompts.json"
+    return json.loads(path.read_text())["prompts"]

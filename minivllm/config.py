@@ -59,7 +59,7 @@ class Option:
                 and 0 < value <= 1
             accepts = "a number in (0, 1]"
         elif self.kind in ("flag", "switch"):
-            ok, accepts = isinstance(value, bool), "True or False" + (" or None" if self.kind == "switch" else "")
+            ok, accepts = isinstance(value, bool), ("True, False or None" if self.kind == "switch" else "True or False")
         elif self.kind == "choice":
             ok, accepts = value in self.choices, "one of " + ", ".join(map(str, self.choices))
         else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY  # noqa: F401  (the pool's defaults)
+from minivllm.config import DEFAULT_BLOCK_SIZE
 from minivllm.batch import RaggedBatch
 from minivllm.model import ModelConfig
 

@@ -181,7 +181,6 @@ def pick_device(requested: str | None = None):
 
 def load_hf_model(name: str | None = None, device=None, dtype=None):
     """Load tokenizer and model once: on `device`, in `dtype` (float32 by default), in eval mode."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import importlib.util
 import os
 import platform
@@ -34,6 +33,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = REPO_ROOT / "book" / "outputs"
+sys.path.insert(0, str(REPO_ROOT))   # kit and minivllm, imported where they are needed (torch is slow to load)
 
 
 @dataclass
@@ -303,8 +303,7 @@ def capture(entry: Capture) -> str:
     with contextlib.ExitStack() as stack:
         port = 0
         if entry.server:
-            sys.path.insert(0, str(REPO_ROOT))
-            launcher = importlib.import_module("kit.launcher")  # one launcher for tests, benchmarks and the book
+            from kit import launcher   # one launcher for tests, benchmarks and the book
             url = stack.enter_context(launcher.serve_in_subprocess(env=env, startup_timeout_s=entry.timeout_s))
             port = int(url.rsplit(":", 1)[1])
         parts = []
@@ -318,9 +317,9 @@ def capture(entry: Capture) -> str:
 
 def stamp() -> str:
     """Where and when: the last line of every capture, so that a figure in the book names both."""
-    sys.path.insert(0, str(REPO_ROOT))
-    threads = importlib.import_module("minivllm.threads")
     import torch
+
+    from minivllm import threads
     return (f"[captured {time.strftime('%Y-%m-%d')} on {threads.cpu_name().split(',')[0]}, {os.cpu_count()} CPU cores, "
             f"torch {torch.__version__}, Python {platform.python_version()}]\n")
 
@@ -348,8 +347,9 @@ def main() -> int:
         print(f"skipping {c.name}: needs the optional module {c.needs}")
         todo.remove(c)
     if any(c.peer for c in todo):
-        sys.path.insert(0, str(REPO_ROOT))
-        missing = importlib.import_module("kit.peers").missing()
+        from kit import peers
+
+        missing = peers.missing()
         for c in [c for c in todo if c.peer and missing]:
             print(f"skipping {c.name}: {missing}")
             todo.remove(c)

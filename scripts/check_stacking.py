@@ -11,7 +11,6 @@ on SmolLM2-135M, whose 9 heads and 3 KV heads split over 1 or 3 processes.
 from __future__ import annotations
 
 import argparse
-import importlib
 import multiprocessing
 import os
 import sys
@@ -20,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kit.engines import DEFAULT_ENGINE, load_engine  # noqa: E402
+from kit.workloads import reference_prompts  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
-
-engine04 = importlib.import_module("04_engine")
 
 # name -> (the combination, its plain counterpart, exact?). Float32 combinations must give the
 # counterpart's tokens exactly. Quantised kernels return bf16 partial results, and torch's int4
@@ -72,13 +71,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     parser.add_argument("--only", choices=sorted(CHECKS), action="append", help="run only these checks")
     args = parser.parse_args()
-    prompts = engine04.reference_prompts()
+    prompts = reference_prompts()
     failed = []
     for name in args.only or CHECKS:
         stacked, plain, exact = CHECKS[name]
         start = time.perf_counter()
         if plain is None:   # LLM() against HF's generate, the book's reference
-            hf = engine04.BaselineEngine(device="cpu")
+            hf = load_engine(DEFAULT_ENGINE, device="cpu")   # 04_engine's BaselineEngine: HF's generate
             want = [r.output_ids for r in hf.generate_batch(prompts, args.tokens, SamplingParams(ignore_eos=True))]
         else:
             want, _ = greedy(plain, prompts, args.tokens)

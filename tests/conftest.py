@@ -28,11 +28,12 @@ def step_by_step_logits(model, ids: list[int], n_prompt: int):
     model's own tests and the paged cache's tests compare against."""
     import torch
 
-    model10 = load_script("10_model")
+    from minivllm.batch import RaggedBatch
+
     cache = model.new_cache(1, len(ids))
-    out = [model.forward(model10.RaggedBatch.build([ids[:n_prompt]], [0], [0], len(ids)), cache, all_logits=True)]
+    out = [model.forward(RaggedBatch.build([ids[:n_prompt]], [0], [0], len(ids)), cache, all_logits=True)]
     for t in range(n_prompt, len(ids)):
-        out.append(model.forward(model10.RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
+        out.append(model.forward(RaggedBatch.build([[ids[t]]], [0], [t], len(ids)), cache))
     return torch.cat(out)
 
 
@@ -70,8 +71,10 @@ def setup_mod():
 
 
 @pytest.fixture(scope="session")
-def default_model_dir(setup_mod) -> Path:
-    return Path(setup_mod.resolve_model(setup_mod.DEFAULT_MODEL))
+def default_model_dir() -> Path:
+    from minivllm.model_files import DEFAULT_MODEL, resolve_model
+
+    return Path(resolve_model(DEFAULT_MODEL))
 
 
 @pytest.fixture(scope="session")
@@ -114,5 +117,7 @@ def real_engine(engine_mod, default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def reference_prompts(engine_mod) -> list[str]:
-    return engine_mod.reference_prompts()
+def reference_prompts() -> list[str]:
+    from kit import workloads
+
+    return workloads.reference_prompts()

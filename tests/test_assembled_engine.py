@@ -12,11 +12,11 @@ import pytest
 
 from conftest import load_script
 from minivllm import LLM
+from minivllm.contracts import SamplingParams
 
 server = load_script("05_server")
 quant_engines = load_script("16_quantization_engine")
 engines = importlib.import_module("kit.engines")
-SamplingParams = load_script("03_contracts").SamplingParams
 
 SYSTEM = "You are a careful assistant. Answer briefly and stay on topic. " * 3   # shared: a prefix cache hit
 

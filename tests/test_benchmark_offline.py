@@ -11,15 +11,14 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import load_script
 from kit import bench, workloads
+from kit.engines import load_engine
+from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
 
 offline = load_script("06_benchmark_offline")
-engine_mod = load_script("04_engine")
-contracts = load_script("03_contracts")
 Record = bench.RequestRecord
 
 
@@ -104,7 +103,7 @@ class FakeClock:
         return self.now
 
 
-class FakeEngine(engine_mod.BaseOfflineEngine):
+class FakeEngine(BaseOfflineEngine):
     """Emits min(max_new_tokens, len(prompt)) tokens (all of them with ignore_eos), 250 ms per token."""
 
     seconds_per_token = 0.25
@@ -114,13 +113,13 @@ class FakeEngine(engine_mod.BaseOfflineEngine):
         self.clock, self.calls, self.tokenizer = clock, calls, None   # no chat template: plain transcript
 
     def generate(self, prompt, max_new_tokens, params=None):
-        params = params or contracts.SamplingParams()
+        params = params or SamplingParams()
         n = max_new_tokens if params.ignore_eos else min(max_new_tokens, len(prompt))
         self.clock.now += self.seconds_per_token * n
         self.calls.append((type(self).__name__, prompt))
         ttft, tpot = (8.0 * n, 4.0) if self.reports_loop_metrics else (None, None)
-        metrics = contracts.RequestMetrics(n / (self.seconds_per_token * n), len(prompt), n, ttft, tpot)
-        return contracts.GenerateResult("x" * n, list(range(n)), metrics)
+        metrics = RequestMetrics(n / (self.seconds_per_token * n), len(prompt), n, ttft, tpot)
+        return GenerateResult("x" * n, list(range(n)), metrics)
 
     def generate_batch(self, prompts, max_new_tokens, params=None):
         return [self.generate(p, max_new_tokens, params) for p in prompts]
@@ -312,9 +311,9 @@ class CallTimes:
 def test_latency_counts_the_queue_of_one_at_a_time_engines(engine_mod, tiny_model_dir, spec, batch_size):
     """All requests are submitted when the run starts, so request k's clock was running while
     the engine served the k-1 before it: its latency covers them (the old per-call clock did not)."""
-    engine = CallTimes(engine_mod.load_engine(spec, str(tiny_model_dir), device="cpu"))
+    engine = CallTimes(load_engine(spec, str(tiny_model_dir), device="cpu"))
     items = [workloads.WorkItem(text, 3) for text in ("One", "Two words", "Three words here")]
-    params = contracts.SamplingParams(ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     if batch_size is None:
         records, seconds = offline.run_sequential(engine, items, params, NoBar())
     else:
@@ -384,8 +383,8 @@ class FakeStaticEngine(FakeEngine):
     def generate_batch(self, prompts, max_new_tokens, params=None):
         self.calls.append(("batch", len(prompts), max_new_tokens))
         self.clock.now += self.seconds_per_token * max_new_tokens
-        return [contracts.GenerateResult("x", list(range(max_new_tokens)),
-                                         contracts.RequestMetrics(1.0, len(p), max_new_tokens, 10.0, 5.0))
+        return [GenerateResult("x", list(range(max_new_tokens)),
+                               RequestMetrics(1.0, len(p), max_new_tokens, 10.0, 5.0))
                 for p in prompts]
 
 
@@ -398,13 +397,13 @@ class FakeSubmitEngine(FakeEngine):
     def submit(self, prompt, max_new_tokens, params=None):
         self.calls.append(("submit", prompt, max_new_tokens))
         finish, clock = self.clock.now + 0.1 * max_new_tokens, self.clock
-        metrics = contracts.RequestMetrics(1.0, len(prompt), max_new_tokens, 20.0, 3.0)
+        metrics = RequestMetrics(1.0, len(prompt), max_new_tokens, 20.0, 3.0)
 
         def stream():
             self.calls.append(("read", prompt, max_new_tokens))
             yield "x"
             clock.local.now = finish
-            yield contracts.GenerateResult("x" * max_new_tokens, list(range(max_new_tokens)), metrics)
+            yield GenerateResult("x" * max_new_tokens, list(range(max_new_tokens)), metrics)
         return stream()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, load_script
+from conftest import REPO_ROOT
 
 cli = importlib.import_module("kit.cli")
 

@@ -15,11 +15,13 @@ import torch.nn.functional as F
 
 from conftest import load_script
 from minivllm import LLM
+from minivllm.batch import RaggedBatch
+from minivllm.compile import Compile, Compiled, FUSED_GLUE_MIN_TOKENS, compile_model, paged_decode_attention, silu_mul
+from minivllm.contracts import SamplingParams
+from minivllm.kv_cache import KVPool
+from minivllm.model import LlamaModel
 
 compile17 = load_script("17_compile")
-model10 = load_script("10_model")
-paged = load_script("11_paged_kv")
-SamplingParams = load_script("03_contracts").SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -38,8 +40,8 @@ def gathered_attention(q, k_pool, v_pool, tables, lens, block_size):
 def models(tiny_model_dir, request):
     """Each way decode rows attend, with the glue fused in every step (threshold 0), so that
     these small steps check the fused kernels too."""
-    eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    return eager, compile17.compile_model(eager, decode_attention=request.param, fused_glue_min_tokens=0)
+    eager = LlamaModel.from_folder(tiny_model_dir)
+    return eager, compile_model(eager, decode_attention=request.param, fused_glue_min_tokens=0)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -50,7 +52,7 @@ def test_paged_decode_attention_is_exact_on_ragged_rows(compiled):
     lens = torch.tensor([1, 5, 13, 16, 9])        # one token, a block and one, exactly full, ...
     tables = torch.randperm(num_blocks)[:5 * 4].view(5, 4)   # shuffled blocks, padded rows
     q = torch.randn(5, heads, dim)
-    fn = compile17.Compiled(compile17.paged_decode_attention, enabled=compiled)
+    fn = Compiled(paged_decode_attention, enabled=compiled)
     out = fn(q, k_pool, v_pool, tables, lens, block_size)
     assert fn.compiled is not None or not compiled, "the compiled path fell back to eager"
     torch.testing.assert_close(out, gathered_attention(q, k_pool, v_pool, tables, lens, block_size),
@@ -94,22 +96,22 @@ def test_cpu_kernel_splits_its_work_over_torchs_threads():
 
 def test_without_the_kernel_auto_falls_back_to_the_copy(tiny_model_dir, monkeypatch):
     from minivllm import cpu_attention
-    eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    compiled = compile17.compile_model(eager)
-    pool = paged.KVPool(eager.config, 16, 4)
+    eager = LlamaModel.from_folder(tiny_model_dir)
+    compiled = compile_model(eager)
+    pool = KVPool(eager.config, 16, 4)
     assert compiled.decode_attention_for(pool) == "kernel"
     monkeypatch.setattr(cpu_attention, "available", lambda k: False)
     assert compiled.decode_attention_for(pool) == "copy"
     assert compiled.decode_attention_for(eager.new_cache(1, 8)) == "copy"   # a cache of rows has no blocks
     with pytest.raises(ValueError, match="decode_attention must be one of"):
-        compile17.Compile(decode_attention="fast")
+        Compile(decode_attention="fast")
 
 
 def test_compiled_model_matches_eager_on_every_kind_of_step(models):
     """Prefill, ragged decodes, a prefill chunk beside decodes, a verification of 3 tokens:
     two pools, one per model, fed the same steps."""
     eager, compiled = models
-    pools = [paged.KVPool(eager.config, 32, 4) for _ in range(2)]
+    pools = [KVPool(eager.config, 32, 4) for _ in range(2)]
     tables = [[5, 9, 2, 30, 31], [7, 1, 3, 29, 28], [11, 12, 13, 14, 15]]
     steps = [([[3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35]], [0, 0, 0], None),
              ([[40], [41], [42]], [9, 3, 6], None),
@@ -127,13 +129,13 @@ def test_compiled_model_matches_eager_on_every_kind_of_step(models):
 def test_the_glue_is_fused_only_from_the_threshold_on(tiny_model_dir, threshold):
     """Steps of 5 and 6 tokens: each runs the fused ops only at or above the threshold, and the
     logits are the eager model's either way."""
-    eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    compiled = compile17.compile_model(eager, fused_glue_min_tokens=threshold)
+    eager = LlamaModel.from_folder(tiny_model_dir)
+    compiled = compile_model(eager, fused_glue_min_tokens=threshold)
     calls = []
     for name in ("add_rms_norm", "rope_split", "silu_mul"):
         op = compiled.ops[name]
         op.compiled = (lambda fn: lambda *args: calls.append(fn.__name__) or fn(*args))(op.fn)
-    pools = [paged.KVPool(eager.config, 16, 4) for _ in range(2)]
+    pools = [KVPool(eager.config, 16, 4) for _ in range(2)]
     for n in (5, 6):
         calls.clear()
         out = [m.forward(pool.batch([list(range(1, n + 1))], [[0, 1]], [0], "cpu"), pool)
@@ -141,7 +143,7 @@ def test_the_glue_is_fused_only_from_the_threshold_on(tiny_model_dir, threshold)
         torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
         assert bool(calls) == (n >= threshold), (n, threshold, calls)
     with pytest.raises(ValueError, match="fused_glue_min_tokens"):
-        compile17.compile_model(eager, fused_glue_min_tokens=-1)
+        compile_model(eager, fused_glue_min_tokens=-1)
 
 
 def test_compiled_model_on_chapter_6_rows_cache(models):
@@ -149,20 +151,20 @@ def test_compiled_model_on_chapter_6_rows_cache(models):
     eager, compiled = models
     caches = [eager.new_cache(2, 32) for _ in range(2)]
     for ids, starts in (([[1, 2, 3, 4], [5, 6]], [0, 0]), ([[7], [8]], [4, 2])):
-        out = [m.forward(model10.RaggedBatch.build(ids, [0, 1], starts, 32), cache)
+        out = [m.forward(RaggedBatch.build(ids, [0, 1], starts, 32), cache)
                for m, cache in zip((eager, compiled), caches)]
         torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
 
 
 def test_a_failing_compiler_falls_back_to_eager(capsys):
-    op = compile17.Compiled(compile17.silu_mul)
+    op = Compiled(silu_mul)
 
     def broken(*args):
         raise RuntimeError("no C++ compiler on this machine")
 
     op.compiled = broken
     x = torch.randn(3, 8)
-    torch.testing.assert_close(op(x), compile17.silu_mul(x))
+    torch.testing.assert_close(op(x), silu_mul(x))
     assert op.compiled is None and "falling back to eager" in capsys.readouterr().out
 
 
@@ -198,12 +200,12 @@ def test_compiling_leaves_the_process_wide_shape_setting_alone(tiny_model_dir):
     # so it is set and put back by assignment.
     saved, fx_config.use_duck_shape = fx_config.use_duck_shape, True
     try:
-        eager = model10.LlamaModel.from_folder(tiny_model_dir)
-        compiled = compile17.compile_model(eager)
-        compiled.warm_up(paged.KVPool(eager.config, 16, 4))
+        eager = LlamaModel.from_folder(tiny_model_dir)
+        compiled = compile_model(eager)
+        compiled.warm_up(KVPool(eager.config, 16, 4))
         assert fx_config.use_duck_shape is True
-        op, seen = compile17.Compiled(compile17.silu_mul), []
-        op.compiled = lambda *args: seen.append(fx_config.use_duck_shape) or compile17.silu_mul(*args)
+        op, seen = Compiled(silu_mul), []
+        op.compiled = lambda *args: seen.append(fx_config.use_duck_shape) or silu_mul(*args)
         op(torch.randn(3, 8))
         assert seen == [False] and fx_config.use_duck_shape is True
     finally:
@@ -211,12 +213,12 @@ def test_compiling_leaves_the_process_wide_shape_setting_alone(tiny_model_dir):
 
 
 def test_glue_costs_time_both_ways_and_put_the_threshold_back(tiny_model_dir, capsys):
-    eager = model10.LlamaModel.from_folder(tiny_model_dir)
-    compiled = compile17.compile_model(eager)
-    pool = paged.KVPool(eager.config, 32 * 3 + 40, 16)
+    eager = LlamaModel.from_folder(tiny_model_dir)
+    compiled = compile_model(eager)
+    pool = KVPool(eager.config, 32 * 3 + 40, 16)
     rows = compile17.glue_costs(compiled, pool, rounds=1, context=20)
     assert [r[1] for r in rows] == [1, 8, 32, 64, 128, 256, 512]
     assert all(fused > 0 and eager_ms > 0 for _, _, fused, eager_ms in rows)
-    assert compiled.fused_glue_min_tokens == compile17.FUSED_GLUE_MIN_TOKENS
+    assert compiled.fused_glue_min_tokens == FUSED_GLUE_MIN_TOKENS
     compile17.print_glue_costs(rows)
     assert "prefill, 512 tokens" in capsys.readouterr().out

@@ -17,20 +17,21 @@ import pytest
 
 from conftest import load_script
 from minivllm import LLM
-
-paged = load_script("11_paged_kv")
-sched13 = load_script("13_scheduler")
-SamplingParams = load_script("03_contracts").SamplingParams
+from minivllm.block_manager import BlockManager
+from minivllm.contracts import GenerateResult, SamplingParams
+from minivllm.model import LlamaModel, ModelConfig
+from minivllm.output import Request
+from minivllm.scheduler import ScheduledBatch, Scheduler
 
 
 # ---------------------------------------------------------------- the scheduler, without a model
-def fake_request(rid: int, prompt_len: int, budget: int) -> sched13.Request:
+def fake_request(rid: int, prompt_len: int, budget: int) -> Request:
     """Chapter 2's Request with no text side (no detokenizer, no generator): the scheduler needs none."""
-    return sched13.Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(), budget, detok=None,
-                           generator=None)
+    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(), budget, detok=None,
+                   generator=None)
 
 
-def fake_step(s: sched13.Scheduler, everyone: list[sched13.Request]) -> sched13.ScheduledBatch:
+def fake_step(s: Scheduler, everyone: list[Request]) -> ScheduledBatch:
     """One scheduler decision and what a model step would do with it; checks every invariant."""
     before = {id(r): r.num_computed for r in s.running}
     work = s.schedule()
@@ -62,7 +63,7 @@ def fake_step(s: sched13.Scheduler, everyone: list[sched13.Request]) -> sched13.
     return work
 
 
-def run_to_end(s: sched13.Scheduler, everyone: list[sched13.Request], max_steps: int = 10_000) -> list:
+def run_to_end(s: Scheduler, everyone: list[Request], max_steps: int = 10_000) -> list:
     steps = []
     while s.has_work():
         steps.append(fake_step(s, everyone))
@@ -71,8 +72,8 @@ def run_to_end(s: sched13.Scheduler, everyone: list[sched13.Request], max_steps:
 
 
 def test_decodes_first_then_prefill_chunks_then_admissions():
-    blocks = paged.BlockManager(64, 4)
-    s = sched13.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=16)
+    blocks = BlockManager(64, 4)
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=16)
     old = fake_request(0, 20, 5)                    # admitted first, still prefilling (8 of 20 done)
     new = fake_request(1, 3, 5)                     # admitted later, already decoding
     for r in (old, new):
@@ -89,7 +90,7 @@ def test_decodes_first_then_prefill_chunks_then_admissions():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
-    s = sched13.Scheduler(paged.BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=8)
     short, long_ = fake_request(0, 3, 10), fake_request(1, 25, 3)
     s.add(short)
     fake_step(s, [short])                           # short's prefill; it decodes from now on
@@ -103,8 +104,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
 
 
 def test_admission_is_first_come_first_served_while_blocks_are_short():
-    blocks = paged.BlockManager(4, 4)
-    s = sched13.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=32)
+    blocks = BlockManager(4, 4)
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=32)
     a, b, c = fake_request(0, 12, 4), fake_request(1, 8, 2), fake_request(2, 2, 2)
     for r in (a, b, c):
         s.add(r)
@@ -116,7 +117,7 @@ def test_admission_is_first_come_first_served_while_blocks_are_short():
 
 
 def test_token_budget_and_sequence_cap_hold_every_step():
-    s = sched13.Scheduler(paged.BlockManager(1000, 4), max_num_seqs=3, max_num_batched_tokens=10)
+    s = Scheduler(BlockManager(1000, 4), max_num_seqs=3, max_num_batched_tokens=10)
     everyone = [fake_request(i, 1 + 3 * i % 17, 1 + i % 5) for i in range(12)]
     for r in everyone:
         s.add(r)
@@ -127,8 +128,8 @@ def test_token_budget_and_sequence_cap_hold_every_step():
 
 
 def test_when_blocks_run_out_the_newest_is_preempted_and_recomputed_later():
-    blocks = paged.BlockManager(6, 2)                               # 12 token slots
-    s = sched13.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=16)
+    blocks = BlockManager(6, 2)                               # 12 token slots
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=16)
     a, b = fake_request(0, 4, 6), fake_request(1, 4, 6)             # each alone needs 5 blocks at most
     s.add(a)
     s.add(b)
@@ -150,8 +151,8 @@ def test_when_blocks_run_out_the_newest_is_preempted_and_recomputed_later():
 
 
 def test_a_request_alone_can_preempt_itself_and_still_finish():
-    blocks = paged.BlockManager(3, 2)
-    s = sched13.Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=4)
+    blocks = BlockManager(3, 2)
+    s = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=4)
     a, b = fake_request(0, 2, 4), fake_request(1, 2, 4)             # 2 + 4 tokens: 3 blocks each
     for r in (a, b):
         s.add(r)
@@ -164,9 +165,9 @@ def test_a_request_alone_can_preempt_itself_and_still_finish():
 def test_random_workloads_never_break_an_invariant(seed):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
-    blocks = paged.BlockManager(rng.randint(4, 40), block_size)
+    blocks = BlockManager(rng.randint(4, 40), block_size)
     max_seqs = rng.randint(1, 8)
-    s = sched13.Scheduler(blocks, max_seqs, rng.randint(max_seqs, 48))
+    s = Scheduler(blocks, max_seqs, rng.randint(max_seqs, 48))
     capacity = blocks.num_blocks * block_size
     everyone, steps = [], []
     for i in range(40):
@@ -182,7 +183,7 @@ def test_random_workloads_never_break_an_invariant(seed):
 
 
 def test_a_request_that_can_never_fit_is_refused_at_add():
-    s = sched13.Scheduler(paged.BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8)
+    s = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8)
     s.add(fake_request(0, 10, 6))                                   # 16 tokens: exactly the pool
     with pytest.raises(ValueError, match="never fit"):
         s.add(fake_request(1, 10, 7))
@@ -197,11 +198,10 @@ def test_a_request_that_can_never_fit_is_refused_at_add():
 ])
 def test_invalid_scheduler_arguments_raise_value_error(kwargs):
     with pytest.raises(ValueError):
-        sched13.Scheduler(paged.BlockManager(8, 4), **kwargs)
+        Scheduler(BlockManager(8, 4), **kwargs)
 
 
 # ---------------------------------------------------------------- the engine, on the tiny model
-GenerateResult = load_script("03_contracts").GenerateResult
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far away, there lived a dragon who",
            "1 2 3 4 5 6 7 8 9 10 11 12 13", "Why is the sky blue?", "a b c d", "Write a haiku about caches."]
 BUDGETS = [5, 17, 1, 24, 3, 12, 9]
@@ -678,8 +678,7 @@ def test_real_model_with_preemption_and_chunks_equals_the_baseline(real_engine, 
 
     import torch
 
-    model10 = load_script("10_model")
-    config = model10.ModelConfig.from_json(json.loads((default_model_dir / "config.json").read_text()))
+    config = ModelConfig.from_json(json.loads((default_model_dir / "config.json").read_text()))
     prompts, budgets = reference_prompts[:3], [6, 8, 10]            # 5, 16 and 18 prompt tokens
     need = [-(-(len(real_engine.tokenizer(p).input_ids) + n) // 4) for p, n in zip(prompts, budgets)]
     # Room for the biggest request alone, not for all three: the newest gets preempted.
@@ -704,7 +703,7 @@ def test_matmul_bound_times_every_weight_matmul_once(tiny_model_dir):
     """13_matmul_bound (and Chapter 12's ceiling) time a forward's weight matmuls alone: each layer's four
     matrices with `tokens` rows and the LM head with one row per sampling sequence, nothing skipped."""
     bound = load_script("13_matmul_bound")
-    model = load_script("10_model").LlamaModel.from_folder(tiny_model_dir)
+    model = LlamaModel.from_folder(tiny_model_dir)
     seen = []
     real_linear = model.linear
     model.linear = lambda x, name: seen.append((name, tuple(x.shape))) or real_linear(x, name)

@@ -8,9 +8,10 @@ import pytest
 
 from conftest import load_script
 from kit.workloads import WorkItem, mixed_workload
+from minivllm.contracts import SamplingParams
 
 demo = load_script("13_continuous_batching_demo")
-GREEDY = demo.SamplingParams(ignore_eos=True)      # a random model's EOS would end requests at random
+GREEDY = SamplingParams(ignore_eos=True)      # a random model's EOS would end requests at random
 
 
 def make_engine(model_dir, kv_memory=2 << 20):     # 4,096 tokens of the tiny model: room for everything

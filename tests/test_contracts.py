@@ -2,11 +2,9 @@
 
 import pytest
 
-from conftest import load_script
-
-contracts = load_script("03_contracts")
-SamplingParams, RequestMetrics, GenerateResult = (
-    contracts.SamplingParams, contracts.RequestMetrics, contracts.GenerateResult)
+from conftest import REPO_ROOT
+from minivllm.contracts import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, REPETITION_RANGE, GenerateResult,
+                                RequestMetrics, SamplingParams)
 
 
 def test_defaults_are_greedy():
@@ -45,7 +43,7 @@ def test_defaults_are_greedy():
     ({"seed": 2**70}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
     ({"stop": ("a", "b", "c", "d", "e")}, "stop"),
-    ({"stop": "x" * (contracts.MAX_STOP_CHARS + 1)}, "stop"),
+    ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -55,8 +53,8 @@ def test_invalid_values_name_the_field(kwargs, field):
 def test_boundaries_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1)
     SamplingParams(top_p=1e-6)
-    SamplingParams(temperature=contracts.MIN_TEMPERATURE, repetition_penalty=contracts.REPETITION_RANGE[0])
-    SamplingParams(seed=2**64 - 1, stop=("x" * contracts.MAX_STOP_CHARS,) * contracts.MAX_STOP_STRINGS)
+    SamplingParams(temperature=MIN_TEMPERATURE, repetition_penalty=REPETITION_RANGE[0])
+    SamplingParams(seed=2**64 - 1, stop=("x" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS)
 
 
 def test_stop_accepts_a_single_string_or_a_list():
@@ -90,5 +88,5 @@ def test_generate_result_checks_finish_reason():
 
 
 def test_contracts_do_not_import_torch():
-    source = (load_script("01_setup").REPO_ROOT / "03_contracts.py").read_text()
+    source = (REPO_ROOT / "03_contracts.py").read_text()
     assert "import torch" not in source

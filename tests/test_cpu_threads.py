@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from conftest import load_script
 
 cpu_threads = importlib.import_module("minivllm.threads")
 

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from conftest import load_script
+from kit.engines import load_engine
+from minivllm.contracts import BaseOfflineEngine, SamplingParams
+from minivllm.output import Request, sample
 
 N_NEW = 24
 
@@ -28,10 +31,10 @@ def assert_same(a, b):
     assert a.finish_reason == b.finish_reason
 
 
-def test_is_an_offline_engine(loop_mod, engine_mod, tiny_loop):
-    assert isinstance(tiny_loop, engine_mod.BaseOfflineEngine)
-    assert isinstance(engine_mod.load_engine("07_decode_loop:DecodeLoopEngine", str(tiny_loop.model_name),
-                                             device="cpu"), loop_mod.DecodeLoopEngine)
+def test_is_an_offline_engine(loop_mod, tiny_loop):
+    assert isinstance(tiny_loop, BaseOfflineEngine)
+    assert isinstance(load_engine("07_decode_loop:DecodeLoopEngine", str(tiny_loop.model_name), device="cpu"),
+                      loop_mod.DecodeLoopEngine)
 
 
 def test_greedy_matches_baseline_on_reference_prompts(tiny_engine, tiny_loop, reference_prompts):
@@ -39,18 +42,18 @@ def test_greedy_matches_baseline_on_reference_prompts(tiny_engine, tiny_loop, re
         assert_same(tiny_engine.generate(prompt, N_NEW), tiny_loop.generate(prompt, N_NEW))
 
 
-def test_stop_strings_match_baseline(loop_mod, tiny_engine, tiny_loop, reference_prompts):
+def test_stop_strings_match_baseline(tiny_engine, tiny_loop, reference_prompts):
     prompt = reference_prompts[0]
     pieces = [tiny_loop.tokenizer.decode([t]) for t in tiny_loop.generate(prompt, 12).output_ids]
     # a whole token, the middle of a token, and a string spanning two tokens
     for stop in (pieces[3], pieces[5].strip()[1:3], pieces[6][-2:] + pieces[7][:2]):
-        params = loop_mod.SamplingParams(stop=(stop,))
+        params = SamplingParams(stop=(stop,))
         ours = tiny_loop.generate(prompt, 12, params)
         assert_same(tiny_engine.generate(prompt, 12, params), ours)
         assert ours.finish_reason == "stop" and stop not in ours.text and len(ours.output_ids) < 12
 
 
-def test_eos_and_ignore_eos_match_baseline(loop_mod, tiny_engine, tiny_loop, reference_prompts, monkeypatch):
+def test_eos_and_ignore_eos_match_baseline(tiny_engine, tiny_loop, reference_prompts, monkeypatch):
     # The random tiny model never picks the real EOS, so declare one of its greedy tokens to be EOS.
     prompt = reference_prompts[1]
     eos = tiny_loop.generate(prompt, 10).output_ids[4]
@@ -59,14 +62,14 @@ def test_eos_and_ignore_eos_match_baseline(loop_mod, tiny_engine, tiny_loop, ref
     ours = tiny_loop.generate(prompt, 10)
     assert_same(tiny_engine.generate(prompt, 10), ours)
     assert ours.finish_reason == "stop" and ours.output_ids[-1] == eos   # the EOS token is kept in the ids
-    params = loop_mod.SamplingParams(ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     ours = tiny_loop.generate(prompt, 10, params)
     assert_same(tiny_engine.generate(prompt, 10, params), ours)
     assert ours.finish_reason == "length" and len(ours.output_ids) == 10
 
 
-def test_budget_uses_max_tokens(loop_mod, tiny_loop, reference_prompts):
-    result = tiny_loop.generate(reference_prompts[0], 20, loop_mod.SamplingParams(max_tokens=3))
+def test_budget_uses_max_tokens(tiny_loop, reference_prompts):
+    result = tiny_loop.generate(reference_prompts[0], 20, SamplingParams(max_tokens=3))
     assert len(result.output_ids) == 3 and result.finish_reason == "length"
 
 
@@ -76,16 +79,16 @@ def test_bad_input_is_a_value_error(tiny_loop):
             tiny_loop.generate(prompt, n)
 
 
-def test_seeded_sampling_is_reproducible(loop_mod, tiny_loop, reference_prompts):
-    params = loop_mod.SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+def test_seeded_sampling_is_reproducible(tiny_loop, reference_prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
     first = tiny_loop.generate(reference_prompts[0], 16, params)
     assert tiny_loop.generate(reference_prompts[0], 16, params).output_ids == first.output_ids
-    other = tiny_loop.generate(reference_prompts[0], 16, loop_mod.SamplingParams(temperature=1.0, top_p=0.95, seed=8))
+    other = tiny_loop.generate(reference_prompts[0], 16, SamplingParams(temperature=1.0, top_p=0.95, seed=8))
     assert other.output_ids != first.output_ids
 
 
-def test_top_k_1_is_greedy(loop_mod, tiny_loop, reference_prompts):
-    params = loop_mod.SamplingParams(temperature=1.0, top_k=1, seed=3)
+def test_top_k_1_is_greedy(tiny_loop, reference_prompts):
+    params = SamplingParams(temperature=1.0, top_k=1, seed=3)
     for prompt in reference_prompts[:3]:
         assert tiny_loop.generate(prompt, 12, params).output_ids == tiny_loop.generate(prompt, 12).output_ids
 
@@ -105,9 +108,9 @@ def expected_distribution(logits: list[float], temperature: float, k: int, p: fl
     return {i: math.exp(scaled[i]) / z for i in kept}
 
 
-def test_sampling_draws_follow_the_filtered_distribution(loop_mod, tiny_loop):
+def test_sampling_draws_follow_the_filtered_distribution(tiny_loop):
     logits = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 0.8, 1.2]
-    params = loop_mod.SamplingParams(temperature=0.7, top_k=6, top_p=0.85, seed=0)
+    params = SamplingParams(temperature=0.7, top_k=6, top_p=0.85, seed=0)
     expected = expected_distribution(logits, 0.7, 6, 0.85)
     assert 2 < len(expected) < 6                    # both filters actually cut something here
     request = tiny_loop.output.new_request([1], params, budget=1)
@@ -115,7 +118,7 @@ def test_sampling_draws_follow_the_filtered_distribution(loop_mod, tiny_loop):
     n = 20_000
     counts: dict[int, int] = {}
     for _ in range(n):
-        (token,) = loop_mod.sample(row, [request])   # the engines' own sampling path
+        (token,) = sample(row, [request])   # the engines' own sampling path
         counts[token] = counts.get(token, 0) + 1
     assert set(counts) <= set(expected)             # nothing outside the top-k / top-p set
     chi2 = sum((counts.get(i, 0) - n * q) ** 2 / (n * q) for i, q in expected.items())
@@ -128,7 +131,7 @@ def test_one_request_object_spans_prompt_and_output(loop_mod, tiny_loop):
     """Chapter 2's Request, the one object every later engine passes around: tokens(start, n) reads
     across the prompt/output boundary, accept() ends it at its budget, result() reports it."""
     output = tiny_loop.output
-    r = output.new_request([5, 6, 7], loop_mod.SamplingParams(ignore_eos=True), budget=3, arrival=1.0)
+    r = output.new_request([5, 6, 7], SamplingParams(ignore_eos=True), budget=3, arrival=1.0)
     assert (r.n_prompt, r.num_tokens, r.new_ids, r.finish_reason, r.history) == (3, 3, [], None, None)
     for t, now in ((8, 2.0), (9, 2.5)):
         output.accept(r, t, now)
@@ -141,12 +144,12 @@ def test_one_request_object_spans_prompt_and_output(loop_mod, tiny_loop):
     assert result.output_ids == [8, 9, 10] and result.finish_reason == "length"
     assert (result.metrics.input_tokens, result.metrics.output_tokens) == (3, 3)
     assert result.metrics.ttft_ms == pytest.approx(1000.0) and result.metrics.tpot_ms == pytest.approx(500.0)
-    assert load_script("13_scheduler").Request is loop_mod.Request     # one request type, every chapter
-    assert output.new_request([5], loop_mod.SamplingParams(), 2).id != r.id
+    assert Request is loop_mod.Request     # one request type, every chapter
+    assert output.new_request([5], SamplingParams(), 2).id != r.id
 
 
-def test_stream_pieces_join_to_the_text(loop_mod, tiny_loop, reference_prompts):
-    for params in (loop_mod.SamplingParams(), loop_mod.SamplingParams(stop=("e",))):
+def test_stream_pieces_join_to_the_text(tiny_loop, reference_prompts):
+    for params in (SamplingParams(), SamplingParams(stop=("e",))):
         items = list(tiny_loop.generate_stream(reference_prompts[4], 16, params))
         *pieces, result = items
         assert all(isinstance(p, str) and p for p in pieces)

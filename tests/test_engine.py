@@ -6,25 +6,28 @@ import pytest
 import torch
 
 from conftest import load_script
+from kit.demo import demo, demo_parser, metric_lines, print_streamed
+from kit.engines import load_engine
+from minivllm.contracts import BaseOfflineEngine, RequestMetrics, SamplingParams
+from minivllm.text import IncrementalDetokenizer, render_chat, tokenize
 
 engine_mod = load_script("04_engine")
-SamplingParams = engine_mod.SamplingParams
 
 
 # ------------------------------------------------------------------ the contract
 def test_a_subclass_missing_a_method_cannot_be_built():
-    class OnlyGenerate(engine_mod.BaseOfflineEngine):
+    class OnlyGenerate(BaseOfflineEngine):
         def generate(self, prompt, max_new_tokens, params=None):
             return None
 
     with pytest.raises(TypeError, match="generate_batch"):
         OnlyGenerate()
     with pytest.raises(TypeError):
-        engine_mod.BaseOfflineEngine()
+        BaseOfflineEngine()
 
 
 def test_baseline_is_an_offline_engine(tiny_engine):
-    assert isinstance(tiny_engine, engine_mod.BaseOfflineEngine)
+    assert isinstance(tiny_engine, BaseOfflineEngine)
     assert not tiny_engine.model.training  # eval mode
 
 
@@ -125,7 +128,7 @@ def test_an_error_in_the_stream_worker_reaches_the_consumer(tiny_engine, monkeyp
 
 def test_incremental_detokenizer_holds_back_partial_stop_strings(tiny_engine):
     tok = tiny_engine.tokenizer
-    detok = engine_mod.IncrementalDetokenizer(tok, stop=["END"])
+    detok = IncrementalDetokenizer(tok, stop=["END"])
     pieces = [detok.add(i) for i in tok("Hello there EN").input_ids]
     assert "".join(pieces) == "Hello there "  # ' EN' might become ' END', so it waits
     assert detok.flush() == "EN" and not detok.stopped
@@ -160,11 +163,11 @@ def test_context_error_states_both_lengths(tiny_engine):
 
 
 def test_load_engine_builds_any_engine_and_refuses_nonsense(tiny_model_dir):
-    engine = engine_mod.load_engine("04_engine:BaselineEngine", str(tiny_model_dir), device="cpu")
+    engine = load_engine("04_engine:BaselineEngine", str(tiny_model_dir), device="cpu")
     assert isinstance(engine, engine_mod.BaselineEngine)
     for spec in ("04_engine", "no_such_module:Engine", "04_engine:NoSuchClass", "04_engine:SamplingParams"):
         with pytest.raises(ValueError):
-            engine_mod.load_engine(spec, str(tiny_model_dir), device="cpu")
+            load_engine(spec, str(tiny_model_dir), device="cpu")
 
 
 def test_a_spec_carries_flags_of_its_own_and_they_win_for_that_engine(tiny_model_dir):
@@ -175,35 +178,35 @@ def test_a_spec_carries_flags_of_its_own_and_they_win_for_that_engine(tiny_model
     assert engines.split_spec("16_quantization_engine:QuantizedEngine --quant int4 --group-size 64") == \
         ("16_quantization_engine:QuantizedEngine", {"quant": "int4", "group_size": 64})
     assert engines.split_spec("minivllm:LLM") == ("minivllm:LLM", {})
-    engine = engine_mod.load_engine("16_quantization_engine:QuantizedEngine --quant int4", str(tiny_model_dir),
-                                    device="cpu", quant="int8", max_num_seqs=3)   # the shared flags
+    engine = load_engine("16_quantization_engine:QuantizedEngine --quant int4", str(tiny_model_dir),
+                         device="cpu", quant="int8", max_num_seqs=3)   # the shared flags
     assert engine.quant.startswith("int4") and engine.max_num_seqs == 3
     for bad in ("04_engine:BaselineEngine --quant int3", "04_engine:BaselineEngine --no-such-flag",
                 "04_engine:BaselineEngine --quant", '04_engine:BaselineEngine "', "  "):
         with pytest.raises(ValueError, match="engine spec"):
-            engine_mod.load_engine(bad, str(tiny_model_dir), device="cpu")
+            load_engine(bad, str(tiny_model_dir), device="cpu")
     with pytest.raises(ValueError, match="04_engine:BaselineEngine does not take quant"):
-        engine_mod.load_engine("04_engine:BaselineEngine --quant int4", str(tiny_model_dir), device="cpu")
+        load_engine("04_engine:BaselineEngine --quant int4", str(tiny_model_dir), device="cpu")
 
 
 def test_every_engine_states_what_it_can_do_in_one_record(tiny_model_dir):
     """capabilities(): the contract alone by default, and each chapter's engine says what it adds."""
     from minivllm.contracts import EngineCapabilities
 
-    assert engine_mod.BaseOfflineEngine.capabilities(None) == EngineCapabilities()
+    assert BaseOfflineEngine.capabilities(None) == EngineCapabilities()
     assert not any([EngineCapabilities().streams, EngineCapabilities().schedules_itself])
     with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
         EngineCapabilities(max_batch_size=0)
     with pytest.raises(TypeError):
         EngineCapabilities().replace(submits=True)
     folder = str(tiny_model_dir)
-    added = [(engine_mod.load_engine("04_engine:BaselineEngine", folder, device="cpu"),
+    added = [(load_engine("04_engine:BaselineEngine", folder, device="cpu"),
               dict(streams=True, checks_prompts=True, max_batch_size=None, schedules_itself=False)),
              (load_script("09_static_batching").StaticBatchEngine(folder, device="cpu", max_batch_size=5),
               dict(streams=True, checks_prompts=True, max_batch_size=5, schedules_itself=False)),
-             (engine_mod.load_engine("10_model_engine:ModelEngine --max-num-seqs 3", folder, device="cpu"),
+             (load_engine("10_model_engine:ModelEngine --max-num-seqs 3", folder, device="cpu"),
               dict(streams=True, checks_prompts=False, max_batch_size=3, schedules_itself=False)),
-             (engine_mod.load_engine("minivllm:LLM --max-num-seqs 4 --kv-memory 1MB", folder, device="cpu"),
+             (load_engine("minivllm:LLM --max-num-seqs 4 --kv-memory 1MB", folder, device="cpu"),
               dict(streams=True, max_batch_size=None, schedules_itself=True, max_num_seqs=4))]
     for engine, fields in added:
         try:
@@ -220,26 +223,26 @@ def test_tokenize_checks_a_prompt_and_takes_token_ids_as_they_are(tiny_engine):
     """The one check every engine makes: text is tokenised, a list of ids (the server tokenises once)
     must name tokens of the vocabulary; either way the budget must fit the context."""
     tok, vocab = tiny_engine.tokenizer, tiny_engine.vocab_size
-    ids = engine_mod.tokenize(tok, "Hello there", 4, 512)
+    ids = tokenize(tok, "Hello there", 4, 512)
     assert ids == tok("Hello there").input_ids
-    assert engine_mod.tokenize(tok, ids, 4, 512, vocab) == ids
-    assert engine_mod.tokenize(tok, ids, 512 - len(ids), 512, vocab) == ids          # exactly the context
+    assert tokenize(tok, ids, 4, 512, vocab) == ids
+    assert tokenize(tok, ids, 512 - len(ids), 512, vocab) == ids          # exactly the context
     with pytest.raises(ValueError, match="maximum context length is 512 tokens"):
-        engine_mod.tokenize(tok, ids, 513 - len(ids), 512, vocab)
+        tokenize(tok, ids, 513 - len(ids), 512, vocab)
     for bad in ([], [-1], [vocab], [1.5], [True], [1, "2"]):
         with pytest.raises(ValueError, match="prompt token ids"):
-            engine_mod.tokenize(tok, bad, 4, 512, vocab)
+            tokenize(tok, bad, 4, 512, vocab)
     with pytest.raises(ValueError, match="prompt token ids"):
-        engine_mod.tokenize(tok, ids, 4, 512)                 # no vocabulary size: ids cannot be checked
+        tokenize(tok, ids, 4, 512)                 # no vocabulary size: ids cannot be checked
     for prompt, n, match in (("", 4, "non-empty string"), (None, 4, "non-empty string"), ("Hi", 0, "max_new_tokens")):
         with pytest.raises(ValueError, match=match):
-            engine_mod.tokenize(tok, prompt, n, 512, vocab)
+            tokenize(tok, prompt, n, 512, vocab)
 
 
 def test_render_chat_uses_the_template_for_the_whole_conversation(tiny_engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
-    text = engine_mod.render_chat(tiny_engine.tokenizer, messages)
+    text = render_chat(tiny_engine.tokenizer, messages)
     assert all(m["content"] in text for m in messages)
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -273,11 +276,11 @@ def test_real_model_runs_on_cpu_in_float32(real_engine):
 def test_demo_flags_reach_the_engine_including_dtype(tiny_model_dir, capsys):
     import torch
 
-    args = engine_mod.demo_parser("test").parse_args(
+    args = demo_parser("test").parse_args(
         ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "bfloat16", "--max-new-tokens", "2"])
-    engine, _, _ = engine_mod.demo(engine_mod.BaselineEngine, args)
+    engine, _, _ = demo(engine_mod.BaselineEngine, args)
     assert engine.model.dtype == torch.bfloat16 and "[Output]" in capsys.readouterr().out
-    assert engine_mod.demo_parser("test").parse_args([]).dtype == "auto"   # bfloat16 on a GPU, float32 here
+    assert demo_parser("test").parse_args([]).dtype == "auto"   # bfloat16 on a GPU, float32 here
 
 
 def test_threads_flag_sets_torch_threads_and_refuses_zero():
@@ -306,8 +309,7 @@ def test_threads_flag_sets_torch_threads_and_refuses_zero():
 def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_dir):
     """The same refusals through every chapter's engine, single and batch: never a TypeError from
     deep inside, never a silent default, never a request without an end (NaN fails every comparison)."""
-    engine = load_script("04_engine").load_engine(spec, str(tiny_model_dir), device="cpu")
-    SamplingParams = load_script("03_contracts").SamplingParams
+    engine = load_engine(spec, str(tiny_model_dir), device="cpu")
     try:
         # LLM's budget may come from SamplingParams.max_tokens instead: None is its default there
         optional = inspect.signature(engine.generate).parameters["max_new_tokens"].default is None
@@ -327,21 +329,20 @@ def test_every_engine_refuses_bad_arguments_with_value_error(spec, tiny_model_di
 
 
 def test_metrics_print_with_their_units_and_an_unknown_one_is_refused():
-    contracts = load_script("03_contracts")
-    metrics = contracts.RequestMetrics(throughput=3.24, input_tokens=12, output_tokens=40, ttft_ms=81.0)
-    assert engine_mod.metric_lines(metrics) == ["  throughput      3.2 tokens/s", "  input_tokens    12 tokens",
-                                                "  output_tokens   40 tokens", "  ttft_ms         81.0 ms"]
+    metrics = RequestMetrics(throughput=3.24, input_tokens=12, output_tokens=40, ttft_ms=81.0)
+    assert metric_lines(metrics) == ["  throughput      3.2 tokens/s", "  input_tokens    12 tokens",
+                                     "  output_tokens   40 tokens", "  ttft_ms         81.0 ms"]
 
     class Odd:
         def as_dict(self):
             return {"speed": 1.0}
     with pytest.raises(ValueError, match="'speed' has no unit"):
-        engine_mod.metric_lines(Odd())
+        metric_lines(Odd())
 
 
 def test_a_streamed_answer_prints_as_strip_would_and_returns_the_result(capsys):
     result = object()
-    assert engine_mod.print_streamed(["  ", "Hello", " ", "world.\nNext", " line ", "\n", result]) is result
+    assert print_streamed(["  ", "Hello", " ", "world.\nNext", " line ", "\n", result]) is result
     assert capsys.readouterr().out == "  Hello world.\n  Next line\n"
 
 

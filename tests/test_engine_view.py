@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from conftest import load_script
 from kit import engine_view
 from minivllm import LLM
+from minivllm.snapshot import scheduler_snapshot
 
 server = load_script("05_server")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -76,7 +77,7 @@ def test_snapshot_is_bounded(engine):
     reqs = [engine.new_request([7, 8, 9], 3) for _ in range(5)]
     with engine._cv:                                    # the loop may not be stepping while we read
         finished = [(time.perf_counter(), {"id": r.id}) for r in reqs]
-        snap = engine_view.scheduler_snapshot(engine.scheduler, engine.blocks, finished, [], 0, [],
+        snap = scheduler_snapshot(engine.scheduler, engine.blocks, finished, [], 0, [],
                                               time.perf_counter(), max_rows=2, max_blocks=3)
     assert len(snap["rows"]) == 2 and snap["rows_total"] == 5
     assert snap["blocks"]["shown"] == 3 and len(snap["blocks"]["owner"]) == 3

@@ -1,21 +1,24 @@
-"""Chapter 3: the cache changing speed but not tokens (08_kv_cache.py), the work each step does,
-and the cache-size formula checked against real caches (08_kv_cache_sizes.py)."""
+"""Chapter 3: the cache changing speed but not tokens (08_kv_cache.py), the work each step does
+(minivllm/roofline.py's counts), and the cache-size formula checked against real caches
+(08_kv_cache_sizes.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from conftest import load_script
+from minivllm import roofline
+from minivllm.model_files import load_hf_model
 
 kv = load_script("08_kv_cache")
 sizes = load_script("08_kv_cache_sizes")
-setup = load_script("01_setup")
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    tokenizer, model = setup.load_hf_model(str(tiny_model_dir), device=torch.device("cpu"))
+    tokenizer, model = load_hf_model(str(tiny_model_dir), device=torch.device("cpu"))
     prompt_ids = tokenizer("The KV cache keeps keys and values", return_tensors="pt").input_ids
     return tokenizer, model, prompt_ids
 
@@ -36,7 +39,7 @@ def test_formula_matches_the_bytes_held_in_the_cache(tiny, runs):
     held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
     # The last generated token is never fed back, so it is not in the cache.
     assert tokens_cached == prompt_ids.shape[1] + len(cached.tokens) - 1
-    per_token = sizes.kv_bytes_per_token(model.config, torch.float32)
+    per_token = roofline.kv_bytes_per_token(model.config, torch.float32)
     # tiny config: 2 layers, 2 KV heads, head_dim 64/4 = 16, float32
     assert per_token == 2 * 2 * 2 * 16 * 4
     assert held == per_token * tokens_cached
@@ -44,18 +47,18 @@ def test_formula_matches_the_bytes_held_in_the_cache(tiny, runs):
 
 def test_formula_scales_with_dtype_and_heads(tiny):
     _, model, _ = tiny
-    fp32 = sizes.kv_bytes_per_token(model.config, torch.float32)
-    assert sizes.kv_bytes_per_token(model.config, torch.bfloat16) * 2 == fp32
+    fp32 = roofline.kv_bytes_per_token(model.config, torch.float32)
+    assert roofline.kv_bytes_per_token(model.config, torch.bfloat16) * 2 == fp32
     # full multi-head attention: 4 KV heads instead of 2 doubles the cache
-    assert sizes.kv_bytes_per_token(model.config, torch.float32, kv_heads=4) == 2 * fp32
+    assert roofline.kv_bytes_per_token(model.config, torch.float32, kv_heads=4) == 2 * fp32
 
 
 def test_measured_bytes_follow_the_cache_dtype(tiny_model_dir, tiny):
     _, _, prompt_ids = tiny
-    _, half = setup.load_hf_model(str(tiny_model_dir), device=torch.device("cpu"), dtype=torch.bfloat16)
+    _, half = load_hf_model(str(tiny_model_dir), device=torch.device("cpu"), dtype=torch.bfloat16)
     cached, _ = decode(half, prompt_ids, steps=3)
     held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
-    assert held == sizes.kv_bytes_per_token(half.config, torch.bfloat16) * tokens_cached
+    assert held == roofline.kv_bytes_per_token(half.config, torch.bfloat16) * tokens_cached
 
 
 def test_cache_does_not_change_the_greedy_tokens(runs):
@@ -79,7 +82,7 @@ def test_with_cache_feeds_one_token_per_decode_step(tiny):
     fed = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, inp, out: fed.append(inp[0].shape[1]))
     try:
-        cached = kv.DecodeRun(prompt_ids, kv.DynamicCache())
+        cached = kv.DecodeRun(prompt_ids, DynamicCache())
         for _ in range(4):
             kv.timed_step(model, cached)
         uncached = kv.DecodeRun(prompt_ids)
@@ -98,7 +101,7 @@ def test_repeated_timing_redoes_the_same_step(tiny, runs):
     assert cached.tokens == uncached.tokens == runs[0].tokens[:5]
     held, tokens_cached = sizes.measured_cache_bytes(cached.cache)
     assert tokens_cached == prompt_ids.shape[1] + 4
-    assert held == sizes.kv_bytes_per_token(model.config, torch.float32) * tokens_cached
+    assert held == roofline.kv_bytes_per_token(model.config, torch.float32) * tokens_cached
     assert len(cached.step_seconds) == len(uncached.step_seconds) == 5
 
 
@@ -129,7 +132,7 @@ def test_bytes_per_token_equal_the_tensors_of_a_cache_the_model_fills(tiny):
     _, model, prompt_ids = tiny
     held, tokens = sizes.measured_cache_bytes(sizes.filled_cache(model, prompt_ids))
     assert tokens == prompt_ids.shape[1]
-    assert held == sizes.kv_bytes_per_token(model.config, torch.float32) * tokens
+    assert held == roofline.kv_bytes_per_token(model.config, torch.float32) * tokens
     # and one layer's key tensor has exactly the shape the formula multiplies out
     layer = sizes.filled_cache(model, prompt_ids).layers[0]
     assert tuple(layer.keys.shape) == (1, 2, tokens, 16) == tuple(layer.values.shape)
@@ -139,25 +142,25 @@ def test_attention_designs_divide_the_cache_by_the_group_size(tiny):
     _, model, _ = tiny
     designs = sizes.attention_variants(model.config)   # tiny: 4 query heads, 2 KV heads
     assert designs == {"multi-head": 4, "grouped-query": 2, "multi-query": 1}
-    mha, gqa, mqa = (sizes.kv_bytes_per_token(model.config, torch.float32, kv_heads=n) for n in designs.values())
+    mha, gqa, mqa = (roofline.kv_bytes_per_token(model.config, torch.float32, kv_heads=n) for n in designs.values())
     assert mha == 2 * gqa == 4 * mqa
 
 
 def test_llama3_configs_give_the_published_sizes():
-    big, bigger = sizes.as_config(sizes.LLAMA3_8B), sizes.as_config(sizes.LLAMA3_70B)
+    big, bigger = roofline.as_config(roofline.LLAMA3_8B), roofline.as_config(roofline.LLAMA3_70B)
     # 2 x layers x 8 KV heads x 128 x 2 bytes: 128 KiB and 320 KiB per token in bf16
-    assert sizes.kv_bytes_per_token(big, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 == 128 * 1024
-    assert sizes.kv_bytes_per_token(bigger, torch.bfloat16) == 320 * 1024
-    assert sizes.kv_bytes_per_token(big, torch.int8) * 4 == sizes.kv_bytes_per_token(big, torch.float32)
+    assert roofline.kv_bytes_per_token(big, torch.bfloat16) == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert roofline.kv_bytes_per_token(bigger, torch.bfloat16) == 320 * 1024
+    assert roofline.kv_bytes_per_token(big, torch.int8) * 4 == roofline.kv_bytes_per_token(big, torch.float32)
     # the weights from the same fields: the published parameter counts, exactly
-    assert sizes.weight_bytes(big, torch.bfloat16) == 2 * 8_030_261_248
-    assert sizes.weight_bytes(bigger, torch.bfloat16) == 2 * 70_553_706_496
+    assert roofline.weight_bytes(big, torch.bfloat16) == 2 * 8_030_261_248
+    assert roofline.weight_bytes(bigger, torch.bfloat16) == 2 * 70_553_706_496
 
 
 def test_weight_bytes_from_the_config_equal_the_loaded_weights(tiny):
     _, model, _ = tiny
     loaded = sum(p.numel() * p.element_size() for p in model.parameters())   # a tied head counts once
-    assert sizes.weight_bytes(model.config, torch.float32) == loaded
+    assert roofline.weight_bytes(model.config, torch.float32) == loaded
 
 
 def test_sizes_main_prints_the_check_and_the_tables(tiny_model_dir, monkeypatch, capsys):
@@ -177,11 +180,11 @@ def test_forward_flops_by_hand(tiny):
     per_layer = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 128
     weights = 2 * 2 * per_layer + 2 * 64 * c.vocab_size
     # one new token after 10 cached ones attends over 11 keys: 4 FLOPs per head_dim per key per head
-    assert kv.forward_flops(c, 1, 10) == weights + 4 * 2 * 4 * 16 * 11
+    assert roofline.forward_flops(c, 1, 10) == weights + 4 * 2 * 4 * 16 * 11
     # three tokens from scratch, causal: 1 + 2 + 3 keys; the LM head still on one row
-    assert kv.forward_flops(c, 3, 0) == 3 * 2 * 2 * per_layer + 2 * 64 * c.vocab_size + 4 * 2 * 4 * 16 * 6
-    assert kv.step_flops(c, 11, with_cache=True) == kv.forward_flops(c, 1, 10)
-    assert kv.step_flops(c, 11, with_cache=False) == kv.forward_flops(c, 11, 0)
+    assert roofline.forward_flops(c, 3, 0) == 3 * 2 * 2 * per_layer + 2 * 64 * c.vocab_size + 4 * 2 * 4 * 16 * 6
+    assert kv.step_flops(c, 11, with_cache=True) == roofline.forward_flops(c, 1, 10)
+    assert kv.step_flops(c, 11, with_cache=False) == roofline.forward_flops(c, 11, 0)
 
 
 def test_forward_flops_equal_what_torch_counts(tiny_model_dir, tiny):
@@ -194,14 +197,14 @@ def test_forward_flops_equal_what_torch_counts(tiny_model_dir, tiny):
     cache = sizes.filled_cache(eager, prompt_ids)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         kv.step_with_cache(eager, prompt_ids[:, -1:], cache)
-    assert counter.get_total_flops() == kv.forward_flops(eager.config, 1, prompt_ids.shape[1])
+    assert counter.get_total_flops() == roofline.forward_flops(eager.config, 1, prompt_ids.shape[1])
 
 
 def test_without_the_cache_each_step_redoes_every_token(tiny):
     _, model, _ = tiny
     c = model.config
     attention_per_key = 4 * 2 * 4 * 16
-    weights_per_token = kv.forward_flops(c, 2, 0) - kv.forward_flops(c, 1, 0) - 2 * attention_per_key
+    weights_per_token = roofline.forward_flops(c, 2, 0) - roofline.forward_flops(c, 1, 0) - 2 * attention_per_key
     with_cache = [kv.step_flops(c, p, True) for p in range(2, 50)]
     without = [kv.step_flops(c, p, False) for p in range(2, 50)]
     step_up = [b - a for a, b in zip(with_cache, with_cache[1:])]

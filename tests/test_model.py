@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from conftest import load_script, step_by_step_logits
+from kit.engines import load_engine
+from minivllm.batch import RaggedBatch
+from minivllm.contracts import SamplingParams
+from minivllm.model import LlamaModel
+from minivllm.model_runner import ModelRunner, load_model
 
-model10 = load_script("10_model")
 engine10 = load_script("10_model_engine")
 decode_loop = load_script("07_decode_loop")
-SamplingParams = load_script("03_contracts").SamplingParams
 
 
 def hf_logits(folder, ids: list[int]) -> torch.Tensor:
@@ -46,7 +49,7 @@ def tiny_variant_dir(tmp_path_factory, default_model_dir):
 def test_logits_match_hf_prefill_and_every_decode_step(which, request):
     folder = request.getfixturevalue(which)
     ids = list(range(5, 205, 7))                       # 29 tokens: 20 prefilled, 9 decoded
-    model = model10.LlamaModel.from_folder(folder)
+    model = LlamaModel.from_folder(folder)
     diff = (step_by_step_logits(model, ids, 20) - hf_logits(folder, ids)).abs().max().item()
     assert diff <= 1e-4
 
@@ -54,27 +57,27 @@ def test_logits_match_hf_prefill_and_every_decode_step(which, request):
 @pytest.mark.real_model
 def test_real_model_logits_match_hf(default_model_dir):
     ids = list(range(100, 1100, 40))                  # 25 tokens: 17 prefilled, 8 decoded
-    model = model10.LlamaModel.from_folder(default_model_dir)
+    model = LlamaModel.from_folder(default_model_dir)
     diff = (step_by_step_logits(model, ids, 17) - hf_logits(default_model_dir, ids)).abs().max().item()
     assert diff <= 1e-4
 
 
 def test_ragged_batch_equals_each_sequence_alone(tiny_model_dir):
-    model = model10.LlamaModel.from_folder(tiny_model_dir)
+    model = LlamaModel.from_folder(tiny_model_dir)
     a, b, c = list(range(10, 40)), list(range(50, 57)), list(range(70, 71))
     alone = [step_by_step_logits(model, s, len(s))[-1] for s in (a, b, c)]
     # Mixed batch: a is mid-prefill (its first 12 tokens cached), b decodes its last
     # token, c is a fresh one-token prefill, all in one forward, rows out of order.
     cache = model.new_cache(3, 64)
-    model.forward(model10.RaggedBatch.build([a[:12]], [2], [0], 64), cache)
-    model.forward(model10.RaggedBatch.build([b[:-1]], [0], [0], 64), cache)
-    mixed = model.forward(model10.RaggedBatch.build([a[12:], b[-1:], c], [2, 0, 1], [12, len(b) - 1, 0], 64), cache)
+    model.forward(RaggedBatch.build([a[:12]], [2], [0], 64), cache)
+    model.forward(RaggedBatch.build([b[:-1]], [0], [0], 64), cache)
+    mixed = model.forward(RaggedBatch.build([a[12:], b[-1:], c], [2, 0, 1], [12, len(b) - 1, 0], 64), cache)
     for got, want in zip(mixed, alone):
         assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_kv_cache_bytes_match_the_formula(tiny_model_dir):
-    model = model10.LlamaModel.from_folder(tiny_model_dir)
+    model = LlamaModel.from_folder(tiny_model_dir)
     c = model.config
     assert c.kv_bytes_per_token(torch.float32) == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     assert model.new_cache(3, 10).nbytes == 30 * c.kv_bytes_per_token(torch.float32)
@@ -99,14 +102,14 @@ def broken_copy(src, tmp_path, edit_config=None, edit_tensors=None):
 def test_unknown_model_type_is_refused(tiny_model_dir, tmp_path):
     folder = broken_copy(tiny_model_dir, tmp_path, edit_config=lambda c: c.update(model_type="mamba"))
     with pytest.raises(ValueError, match="model_type 'mamba' is not implemented"):
-        model10.LlamaModel.from_folder(folder)
+        LlamaModel.from_folder(folder)
 
 
 def test_missing_tensor_is_refused(tiny_model_dir, tmp_path):
     folder = broken_copy(tiny_model_dir, tmp_path,
                          edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*missing"):
-        model10.LlamaModel.from_folder(folder)
+        LlamaModel.from_folder(folder)
 
 
 def test_wrong_shape_is_refused(tiny_model_dir, tmp_path):
@@ -114,7 +117,7 @@ def test_wrong_shape_is_refused(tiny_model_dir, tmp_path):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
     folder = broken_copy(tiny_model_dir, tmp_path, edit_tensors=shrink)
     with pytest.raises(ValueError, match="k_proj.weight' has shape"):
-        model10.LlamaModel.from_folder(folder)
+        LlamaModel.from_folder(folder)
 
 
 @pytest.fixture(scope="module")
@@ -202,17 +205,16 @@ def test_max_batch_size_is_max_num_seqs_read_only(tiny_model_dir):
     assert engine.model is engine.runner.model and engine.features()["quant"] == "float32"
 
 
-def test_engine_spec_loads_through_10_model(engine_mod, tiny_model_dir):
-    engine = engine_mod.load_engine("10_model_engine:ModelEngine", str(tiny_model_dir), device="cpu")
+def test_engine_spec_loads_through_10_model(tiny_model_dir):
+    engine = load_engine("10_model_engine:ModelEngine", str(tiny_model_dir), device="cpu")
     assert type(engine) is engine10.ModelEngine
 
 
 def test_model_runner_steps_a_chunked_prefill_next_to_decodes(tiny_model_engine):
     """One runner step is prepare -> forward -> sample over any mix: a prompt chunk that ends mid-prompt
     predicts nothing (None); the chunk that completes it and a decode step each give the token alone would."""
-    runner10 = load_script("10_model_runner")
-    model = runner10.load_model(tiny_model_engine.folder)
-    runner = runner10.ModelRunner(model, model.new_cache(2, 64))
+    model = load_model(tiny_model_engine.folder)
+    runner = ModelRunner(model, model.new_cache(2, 64))
     params = SamplingParams(ignore_eos=True)
     a, b = (tiny_model_engine.output.new_request(ids, params, 4) for ids in (list(range(10, 40)), list(range(50, 57))))
     alone = lambda ids: int(step_by_step_logits(model, ids, len(ids))[-1].argmax())   # noqa: E731
@@ -242,7 +244,7 @@ def test_profile_parts_add_up_and_floors_scale_with_the_batch(tiny_model_dir, tm
     is the same at every batch size, the FLOP floor grows with the rows, and the plot is written."""
     profile = load_script("10_profile")
     engine = engine10.ModelEngine(str(tiny_model_dir), device="cpu")
-    table = profile.profile_decode(engine, batch_sizes=(1, 3), steps=2)
+    table = profile.profile_decode(engine.model, engine.tokenizer, batch_sizes=(1, 3), steps=2)
     assert table["bandwidth"] > 0 and table["flops"] > 0 and table["weight_bytes"] == engine.model.weight_bytes
     for rows in table["rows"].values():
         assert sum(rows[p] for p in profile.PARTS) == pytest.approx(rows["total"], rel=1e-6)

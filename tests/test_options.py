@@ -120,7 +120,8 @@ def test_the_table_refuses_out_of_bounds_values_by_name():
             with pytest.raises(ValueError, match=f"{name} must be one of"):
                 EngineConfig(**{name: "nothing-of-the-kind"})
         elif row.kind in ("flag", "switch"):
-            with pytest.raises(ValueError, match=f"{name} must be True or False"):
+            accepts = "True, False or None" if row.kind == "switch" else "True or False"
+            with pytest.raises(ValueError, match=f"{name} must be {accepts}"):
                 EngineConfig(**{name: "yes"})
 
 

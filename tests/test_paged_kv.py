@@ -9,14 +9,17 @@ import pytest
 import torch
 
 from conftest import load_script, step_by_step_logits
+from kit.engines import load_engine
 from kit.workloads import load_workload
+from minivllm.block_manager import BlockManager
+from minivllm.contracts import SamplingParams
+from minivllm.kv_cache import KVPool, PagedBatch, PoolFullError
+from minivllm.model import LlamaModel
 
-model10 = load_script("10_model")
 engine10 = load_script("10_model_engine")
 paged = load_script("11_paged_kv")
 engine11 = load_script("11_paged_kv_engine")
 demo = load_script("11_paged_kv_demo")
-SamplingParams = load_script("03_contracts").SamplingParams
 
 IDS = list(range(5, 208, 7))          # 29 tokens: 20 prefilled, then 9 decode steps
 N_PROMPT = 20
@@ -24,25 +27,25 @@ N_PROMPT = 20
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
-    return model10.LlamaModel.from_folder(tiny_model_dir)
+    return LlamaModel.from_folder(tiny_model_dir)
 
 
 def paged_logits(model, pool, blocks, seq_id: int, ids: list[int], n_prompt: int, between=None) -> torch.Tensor:
     """The same through the pool; `between()` runs before every decode step (other sequences' traffic)."""
     bs = pool.block_size
     table = blocks.allocate(seq_id, n_prompt)
-    out = [model.forward(paged.PagedBatch.from_tables([ids[:n_prompt]], [table], [0], bs), pool, all_logits=True)]
+    out = [model.forward(PagedBatch.from_tables([ids[:n_prompt]], [table], [0], bs), pool, all_logits=True)]
     for t in range(n_prompt, len(ids)):
         if between:
             between()
         blocks.append_slot(seq_id)
-        batch = paged.PagedBatch.from_tables([[ids[t]]], [blocks.tables[seq_id]], [t], bs)
+        batch = PagedBatch.from_tables([[ids[t]]], [blocks.tables[seq_id]], [t], bs)
         out.append(model.forward(batch, pool))
     return torch.cat(out)
 
 
 def new_pool(model, num_blocks: int, block_size: int):
-    return paged.KVPool(model.config, num_blocks, block_size), paged.BlockManager(num_blocks, block_size)
+    return KVPool(model.config, num_blocks, block_size), BlockManager(num_blocks, block_size)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 7, 16])   # 7 and 16 do not divide the 20-token prompt
@@ -52,7 +55,7 @@ def test_paged_logits_equal_contiguous(tiny_model, block_size):
     want = step_by_step_logits(tiny_model, IDS, N_PROMPT)
     assert got.shape == want.shape == (len(IDS), tiny_model.config.vocab_size)
     # A lone sequence in a fresh pool has consecutive blocks: context() reads them as a view.
-    assert paged.PagedBatch.from_tables([[1]], [blocks.tables[0]], [len(IDS) - 1], block_size).first_of_run == 0
+    assert PagedBatch.from_tables([[1]], [blocks.tables[0]], [len(IDS) - 1], block_size).first_of_run == 0
     assert (got - want).abs().max().item() <= 1e-5
 
 
@@ -70,7 +73,7 @@ def test_scattered_blocks_give_exact_results(tiny_model):
     table = blocks.tables[0]
     assert len(table) == 8
     assert table != sorted(table) and any(b - a != 1 for a, b in zip(table, table[1:]))
-    assert paged.PagedBatch.from_tables([[1]], [table], [len(IDS) - 1], 4).first_of_run is None   # copied
+    assert PagedBatch.from_tables([[1]], [table], [len(IDS) - 1], 4).first_of_run is None   # copied
     assert (got - step_by_step_logits(tiny_model, IDS, N_PROMPT)).abs().max().item() <= 1e-5
 
 
@@ -81,15 +84,15 @@ def test_ragged_paged_batch_equals_each_sequence_alone(tiny_model):
     blocks.allocate(7, 1)                            # one block taken first, so nobody starts at 0
     ta = blocks.allocate(0, 12)
     tb = blocks.allocate(1, len(b) - 1)
-    tiny_model.forward(paged.PagedBatch.from_tables([a[:12]], [ta], [0], 4), pool)
-    tiny_model.forward(paged.PagedBatch.from_tables([b[:-1]], [tb], [0], 4), pool)
+    tiny_model.forward(PagedBatch.from_tables([a[:12]], [ta], [0], 4), pool)
+    tiny_model.forward(PagedBatch.from_tables([b[:-1]], [tb], [0], 4), pool)
     # One forward: a finishes its prefill (18 tokens), b decodes, c is a fresh one-token prompt.
     for _ in a[12:]:
         blocks.append_slot(0)
     blocks.append_slot(1)
     tc = blocks.allocate(2, 1)
-    batch = paged.PagedBatch.from_tables([a[12:], b[-1:], c], [blocks.tables[0], blocks.tables[1], tc],
-                                         [12, len(b) - 1, 0], 4)
+    batch = PagedBatch.from_tables([a[12:], b[-1:], c], [blocks.tables[0], blocks.tables[1], tc],
+                                   [12, len(b) - 1, 0], 4)
     mixed = tiny_model.forward(batch, pool)
     for got, want in zip(mixed, alone):
         assert (got - want).abs().max().item() <= 1e-5
@@ -97,13 +100,13 @@ def test_ragged_paged_batch_equals_each_sequence_alone(tiny_model):
 
 def test_batch_refuses_tokens_beyond_its_blocks(tiny_model):
     with pytest.raises(ValueError, match="run past the blocks"):
-        paged.PagedBatch.from_tables([[1, 2, 3, 4, 5]], [[0]], [0], 4)
+        PagedBatch.from_tables([[1, 2, 3, 4, 5]], [[0]], [0], 4)
     with pytest.raises(ValueError, match="at least one new token"):
-        paged.PagedBatch.from_tables([[]], [[0]], [0], 4)
+        PagedBatch.from_tables([[]], [[0]], [0], 4)
 
 
 # ---------------------------------------------------------------- the block manager
-def check_books(blocks: paged.BlockManager) -> None:
+def check_books(blocks: BlockManager) -> None:
     """Every block is either free (count 0, once in the free list) or held (count = holders)."""
     held = [b for table in blocks.tables.values() for b in table]
     free = list(blocks.free_blocks)
@@ -115,13 +118,13 @@ def check_books(blocks: paged.BlockManager) -> None:
         assert len(table) == blocks.blocks_for(blocks.lengths[seq])
 
 
-def snapshot(blocks: paged.BlockManager):
+def snapshot(blocks: BlockManager):
     return (list(blocks.free_blocks), list(blocks.ref_counts),
             {s: list(t) for s, t in blocks.tables.items()}, dict(blocks.lengths))
 
 
 def test_random_operations_return_every_block():
-    blocks = paged.BlockManager(num_blocks=40, block_size=4)
+    blocks = BlockManager(num_blocks=40, block_size=4)
     rng, next_id, refused = random.Random(0), 0, 0
     for step in range(1000):
         live = list(blocks.tables)
@@ -133,7 +136,7 @@ def test_random_operations_return_every_block():
                 next_id += 1
             else:
                 before = snapshot(blocks)
-                with pytest.raises(paged.PoolFullError):
+                with pytest.raises(PoolFullError):
                     blocks.allocate(next_id, n)
                 assert snapshot(blocks) == before
                 refused += 1
@@ -142,7 +145,7 @@ def test_random_operations_return_every_block():
             before = snapshot(blocks)
             try:
                 slot = blocks.append_slot(seq)
-            except paged.PoolFullError:
+            except PoolFullError:
                 assert snapshot(blocks) == before and blocks.num_free == 0
                 refused += 1
             else:
@@ -161,7 +164,7 @@ def test_random_operations_return_every_block():
 
 
 def test_shared_blocks_are_counted_and_outlive_their_first_owner():
-    blocks = paged.BlockManager(num_blocks=10, block_size=4)
+    blocks = BlockManager(num_blocks=10, block_size=4)
     first = blocks.allocate(1, 10)                          # 3 blocks, the first two full
     second = blocks.allocate(2, 9, shared=first[:2])        # borrows them, takes one of its own
     assert second[:2] == first[:2] and second[2] not in first
@@ -178,7 +181,7 @@ def test_shared_blocks_are_counted_and_outlive_their_first_owner():
 def test_allocate_prompt_and_cache_computed_are_chapter_7s_plain_answers():
     """The two calls an engine makes around a prompt: Chapter 7's manager has nothing cached to offer
     (0 tokens computed already) and nothing to remember afterwards; Chapter 8's overrides both."""
-    blocks = paged.BlockManager(num_blocks=8, block_size=4)
+    blocks = BlockManager(num_blocks=8, block_size=4)
     assert blocks.caches_prefixes is False
     assert blocks.allocate_prompt(0, list(range(10))) == 0
     assert blocks.tables[0] == [0, 1, 2] and blocks.lengths[0] == 10
@@ -188,7 +191,7 @@ def test_allocate_prompt_and_cache_computed_are_chapter_7s_plain_answers():
     assert blocks.allocate_prompt(1, list(range(10))) == 0 and blocks.tables[1] == [3, 4, 5]   # no sharing
     check_books(blocks)
     before = snapshot(blocks)
-    with pytest.raises(paged.PoolFullError):
+    with pytest.raises(PoolFullError):
         blocks.allocate_prompt(2, list(range(9)))   # 3 blocks, 2 free
     with pytest.raises(ValueError, match="already has blocks"):
         blocks.allocate_prompt(0, [1])
@@ -196,18 +199,18 @@ def test_allocate_prompt_and_cache_computed_are_chapter_7s_plain_answers():
 
 
 def test_full_pool_says_not_now_and_changes_nothing():
-    blocks = paged.BlockManager(num_blocks=4, block_size=4)
+    blocks = BlockManager(num_blocks=4, block_size=4)
     blocks.allocate(0, 12)
     assert blocks.can_allocate(4) and not blocks.can_allocate(5)
     before = snapshot(blocks)
-    with pytest.raises(paged.PoolFullError, match="blocks needed"):
+    with pytest.raises(PoolFullError, match="blocks needed"):
         blocks.allocate(1, 5)
     assert snapshot(blocks) == before
     blocks.allocate(1, 4)                                   # the last block
     assert blocks.num_free == 0 and not blocks.can_allocate(1)
     before = snapshot(blocks)
     for seq in (0, 1):                                      # both last blocks are full
-        with pytest.raises(paged.PoolFullError, match="pool is full"):
+        with pytest.raises(PoolFullError, match="pool is full"):
             blocks.append_slot(seq)
         assert snapshot(blocks) == before
     blocks.free(1)
@@ -215,7 +218,7 @@ def test_full_pool_says_not_now_and_changes_nothing():
 
 
 def test_bad_arguments_are_value_errors(tiny_model):
-    blocks = paged.BlockManager(num_blocks=8, block_size=4)
+    blocks = BlockManager(num_blocks=8, block_size=4)
     blocks.allocate(0, 8)
     free_block = blocks.free_blocks[0]
     before = snapshot(blocks)
@@ -228,9 +231,9 @@ def test_bad_arguments_are_value_errors(tiny_model):
         (lambda: blocks.allocate(1, 12, shared=[99]), "in use"),
         (lambda: blocks.append_slot(5), "sequence 5 has no blocks"),
         (lambda: blocks.free(5), "sequence 5 has no blocks"),
-        (lambda: paged.BlockManager(0, 4), "num_blocks >= 1"),
-        (lambda: paged.KVPool(tiny_model.config, 4, 0), "block_size >= 1"),
-        (lambda: paged.KVPool.from_memory(tiny_model.config, 1000, 16), "less than one block"),
+        (lambda: BlockManager(0, 4), "num_blocks >= 1"),
+        (lambda: KVPool(tiny_model.config, 4, 0), "block_size >= 1"),
+        (lambda: KVPool.from_memory(tiny_model.config, 1000, 16), "less than one block"),
     ]:
         with pytest.raises(ValueError, match=message):
             call()
@@ -239,7 +242,7 @@ def test_bad_arguments_are_value_errors(tiny_model):
 
 def test_pool_size_comes_from_the_memory_budget(tiny_model):
     per_token = tiny_model.config.kv_bytes_per_token(torch.float32)
-    pool = paged.KVPool.from_memory(tiny_model.config, 10 * 16 * per_token + 5, 16)
+    pool = KVPool.from_memory(tiny_model.config, 10 * 16 * per_token + 5, 16)
     assert pool.num_blocks == 10 and pool.nbytes == 10 * 16 * per_token
 
 
@@ -335,7 +338,7 @@ def test_a_batch_refused_half_way_keeps_no_block(tiny_model_dir, tiny_contiguous
     small = engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=12 * 16 * per_token)
     requests = [small.new_request(p, 4) for p in reference_prompts]     # together: more than 12 blocks
     assert sum(small.blocks.blocks_for(r.n_prompt) for r in requests) > 12
-    with pytest.raises(paged.PoolFullError):
+    with pytest.raises(PoolFullError):
         next(small.run(requests))                    # run() bypasses batch_chunks: the pool says no
     assert all_free(small)
 
@@ -353,12 +356,11 @@ def test_a_request_that_could_never_fit_is_refused(tiny_model_dir, tiny_contiguo
         engine11.PagedEngine(str(tiny_model_dir), device="cpu", kv_memory=TINY_KV, block_size=0)
 
 
-def test_engine_spec_loads(engine_mod, tiny_model_dir):
-    engine = engine_mod.load_engine("11_paged_kv_engine:PagedEngine", str(tiny_model_dir), device="cpu",
-                                    kv_memory=TINY_KV)
+def test_engine_spec_loads(tiny_model_dir):
+    engine = load_engine("11_paged_kv_engine:PagedEngine", str(tiny_model_dir), device="cpu", kv_memory=TINY_KV)
     assert isinstance(engine, engine11.PagedEngine)
     assert not hasattr(paged, "PagedEngine")                        # 11_paged_kv.py holds the parts only
-    assert engine.runner.kv is engine.pool and type(engine.blocks) is paged.BlockManager
+    assert engine.runner.kv is engine.pool and type(engine.blocks) is BlockManager
     assert engine.pool.num_blocks == TINY_KV // (16 * engine.model.config.kv_bytes_per_token(torch.float32))
     assert engine.features()["prefix_caching"] is False and engine.features()["block_size"] == 16
 

@@ -9,17 +9,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import load_script
-from minivllm import LLM
+from minivllm import LLM, prefix_cache
+from minivllm.contracts import SamplingParams
+from minivllm.kv_cache import PoolFullError
+from minivllm.output import Request
+from minivllm.scheduler import Scheduler
+from minivllm.text import render_chat
 
-pc = load_script("12_prefix_cache")
 engine12 = load_script("12_prefix_cache_engine")
-paged = load_script("11_paged_kv")
-sched13 = load_script("13_scheduler")
-contracts = load_script("03_contracts")
 server = load_script("05_server")
 
 BS = 4                      # small blocks: short prompts span many of them
-GREEDY = contracts.SamplingParams(ignore_eos=True)
+GREEDY = SamplingParams(ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest.py: one torch thread for this file
@@ -43,10 +44,10 @@ def run_ids(engine, ids: list[int], n: int = 6, caching: bool = True) -> tuple[l
 
 
 def fresh_cache(engine) -> None:
-    engine.blocks = pc.PrefixCachingBlockManager(engine.pool.num_blocks, BS)
+    engine.blocks = prefix_cache.PrefixCachingBlockManager(engine.pool.num_blocks, BS)
 
 
-def check_invariants(m: pc.PrefixCachingBlockManager) -> None:
+def check_invariants(m: prefix_cache.PrefixCachingBlockManager) -> None:
     """Every block is in exactly one place, and a reference count is the number of tables holding it."""
     holders = [0] * m.num_blocks
     for table in m.tables.values():
@@ -185,7 +186,7 @@ def test_cached_tokens_are_reported_and_the_cache_fills_up(engine):
 
 def test_seeded_sampling_is_the_same_with_the_cache_on_and_off(engine):
     fresh_cache(engine)
-    prompt, params = "Tell me a story about a lighthouse keeper. " * 3, contracts.SamplingParams(
+    prompt, params = "Tell me a story about a lighthouse keeper. " * 3, SamplingParams(
         temperature=0.9, top_p=0.95, seed=11)
     engine.generate(prompt + "Begin.", 4)                            # caches the shared part
     engine.prefix_caching = False
@@ -210,7 +211,7 @@ def test_an_abandoned_stream_leaves_every_block_free_or_evictable(engine):
 
 def test_eviction_under_a_small_pool_keeps_outputs_right(engine):
     small = engine
-    small.blocks = pc.PrefixCachingBlockManager(12, BS)     # 48 token slots: the cache must evict
+    small.blocks = prefix_cache.PrefixCachingBlockManager(12, BS)     # 48 token slots: the cache must evict
     rng = random.Random(1)
     heads = [[rng.randrange(50, 5000) for _ in range(8)] for _ in range(3)]
     for _ in range(12):
@@ -227,7 +228,7 @@ def test_eviction_under_a_small_pool_keeps_outputs_right(engine):
                          ids=["constant", "parent-blind"])
 def test_hash_collisions_cost_a_miss_never_a_wrong_answer(engine, monkeypatch, fake_hash):
     fresh_cache(engine)
-    monkeypatch.setattr(pc, "block_hash", fake_hash)
+    monkeypatch.setattr(prefix_cache, "block_hash", fake_hash)   # where the block manager looks it up
     run_ids(engine, PREFIX)
     # Same tokens as PREFIX's 2nd and 3rd blocks, but at the start: their cached K/V belong elsewhere.
     for ids in (PREFIX[4:12] + [1, 2, 3], [1, 2, 3, 4] + PREFIX[4:], PREFIX[:8] + [5, 6, 7]):
@@ -239,7 +240,7 @@ def test_hash_collisions_cost_a_miss_never_a_wrong_answer(engine, monkeypatch, f
 
 
 def test_a_thousand_random_requests_leak_nothing():
-    m = pc.PrefixCachingBlockManager(40, BS)
+    m = prefix_cache.PrefixCachingBlockManager(40, BS)
     rng = random.Random(0)
     stems = [[rng.randrange(100) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
     running: dict[int, list[int]] = {}
@@ -248,7 +249,7 @@ def test_a_thousand_random_requests_leak_nothing():
         fits = m.can_allocate_prompt(tokens)        # the scheduler's question, asked before allocating
         try:
             hit = m.allocate_prompt(seq_id, tokens)
-        except paged.PoolFullError:
+        except PoolFullError:
             assert m.blocks_for(len(tokens)) > m.num_free and not fits
         else:
             assert fits
@@ -266,7 +267,7 @@ def test_a_thousand_random_requests_leak_nothing():
                     m.append_slot(sid)
                     running[sid].append(rng.randrange(100))
                     m.cache_computed(sid, running[sid])
-                except paged.PoolFullError:
+                except PoolFullError:
                     m.free(sid)
                     del running[sid]
         check_invariants(m)
@@ -282,11 +283,11 @@ def test_admission_counts_the_blocks_a_prompt_finds_cached():
     with A's first 28 tokens: it shares 7 blocks and needs 1, so the scheduler admits it now. C's
     prefix is cached too, but in blocks nobody holds: sharing them takes them off the evictable
     list, so they do not count as room as well, and C waits instead of failing to allocate."""
-    blocks = pc.PrefixCachingBlockManager(10, BS)
-    s = sched13.Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    blocks = prefix_cache.PrefixCachingBlockManager(10, BS)
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
 
     def request(rid, prompt):
-        return sched13.Request(rid, prompt, GREEDY, 2, detok=None, generator=None)
+        return Request(rid, prompt, GREEDY, 2, detok=None, generator=None)
 
     stem = list(range(100, 128))                              # 7 blocks
     a, b = request(0, stem + [1, 2]), request(1, stem + [3, 4])
@@ -315,7 +316,7 @@ def test_admission_counts_the_blocks_a_prompt_finds_cached():
 
 
 def test_bad_calls_are_value_errors():
-    m = pc.PrefixCachingBlockManager(8, BS)
+    m = prefix_cache.PrefixCachingBlockManager(8, BS)
     with pytest.raises(ValueError, match="0 tokens"):
         m.allocate_prompt(1, [])
     m.allocate_prompt(1, [1, 2, 3])
@@ -372,7 +373,7 @@ def cb_engines(tiny_model_dir):
 
 def test_continuous_batching_with_the_cache_equals_without(cb_engines):
     on, off = cb_engines
-    assert isinstance(on.blocks, pc.PrefixCachingBlockManager) and on.scheduler.blocks is on.blocks
+    assert isinstance(on.blocks, prefix_cache.PrefixCachingBlockManager) and on.scheduler.blocks is on.blocks
     system = "Be brief. " * 4
     prompts = [system + q for q in CHAT] + [system + CHAT[0]]       # the last one repeats the first
     spy = WriteSpy(on)
@@ -416,7 +417,7 @@ def test_continuous_batching_reports_cached_tokens_through_the_server(cb_engines
     with TestClient(server.make_app(on, model_name="tiny")) as client:
         bodies = [client.post("/v1/chat/completions", json={
             "messages": messages + [{"role": "user", "content": q}], "max_tokens": 4}).json() for q in ("Hi?", "Yo?")]
-    render = load_script("04_engine").render_chat
+    render = render_chat
     a, b = (on.tokenizer(render(on.tokenizer, messages + [{"role": "user", "content": q}])).input_ids
             for q in ("Hi?", "Yo?"))
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)

@@ -7,14 +7,19 @@ import pytest
 import torch
 
 from conftest import load_script
+from kit.engines import load_engine
+from kit.quant_modes import parse_mode
 from minivllm import LLM
+from minivllm.batch import RaggedBatch
+from minivllm.contracts import SamplingParams
+from minivllm.model import LlamaModel
+from minivllm.model_runner import load_model
+from minivllm.quantization import (GROUP_SIZES, HalfWeight, Int4Weight, Int8Weight, W8A8Weight, WeightFormat,
+                                   dequantize_int4, dequantize_int8, format_name_of, inner_k_tiles, quantize,
+                                   quantize_int4, quantize_int8)
 
-quant16 = load_script("16_quantization")
 engine16 = load_script("16_quantization_engine")
 demo16 = load_script("16_quantization_demo")
-engine04 = load_script("04_engine")
-model10 = load_script("10_model")
-runner10 = load_script("10_model_runner")
 
 
 def random_weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
@@ -28,20 +33,20 @@ def random_weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
 
 def test_int8_round_trip_within_half_a_step():
     w = random_weight()
-    q, scale = quant16.quantize_int8(w)
+    q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.shape == (w.shape[0],)
     assert int(q.abs().max()) == 127                               # the row maximum uses the full range
-    error = (quant16.dequantize_int8(q, scale) - w).abs()
+    error = (dequantize_int8(q, scale) - w).abs()
     assert bool((error <= scale[:, None] / 2 * (1 + 1e-5)).all())  # rounding to the nearest step
 
 
-@pytest.mark.parametrize("group_size", quant16.GROUP_SIZES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
 def test_int4_round_trip_within_half_a_step_per_group(group_size):
     w = random_weight()
-    q, scale, zero = quant16.quantize_int4(w, group_size)
+    q, scale, zero = quantize_int4(w, group_size)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15
     assert scale.shape == zero.shape == (w.shape[0], w.shape[1] // group_size)
-    error = (quant16.dequantize_int4(q, scale, zero) - w).abs()
+    error = (dequantize_int4(q, scale, zero) - w).abs()
     # Half a step, plus what storing the zero point in bf16 (8 significant bits) may shift a clamped end.
     bound = scale.float() / 2 * (1 + 1e-5) + zero.float().abs() * 2 ** -9
     assert bool((error <= bound.repeat_interleave(group_size, dim=1)).all())
@@ -50,15 +55,15 @@ def test_int4_round_trip_within_half_a_step_per_group(group_size):
 
 def make(kind: str, w: torch.Tensor, path: str):
     if kind in ("bf16", "fp16"):
-        return quant16.HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[kind], path)
+        return HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[kind], path)
     if kind == "int8":
-        return quant16.Int8Weight(w, path)
+        return Int8Weight(w, path)
     if kind == "w8a8":
-        return quant16.W8A8Weight(w, path)
-    return quant16.Int4Weight(w, int(kind.removeprefix("int4-g")), path)
+        return W8A8Weight(w, path)
+    return Int4Weight(w, int(kind.removeprefix("int4-g")), path)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8"] + [f"int4-g{g}" for g in quant16.GROUP_SIZES])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8"] + [f"int4-g{g}" for g in GROUP_SIZES])
 @pytest.mark.parametrize("tokens", [1, 7, 32])
 def test_fast_path_equals_reference_path(kind, tokens):
     """The kernels read bf16 activations and write bf16 results (8 significant bits), so each
@@ -94,7 +99,7 @@ def test_w8a8_fast_path_is_the_reference_rounding_summed_exactly(tokens):
 
 def test_fast_int4_is_smaller_than_reference_and_int8():
     w = random_weight()
-    int4, int8 = quant16.Int4Weight(w, 32), quant16.Int8Weight(w)
+    int4, int8 = Int4Weight(w, 32), Int8Weight(w)
     # packed int4: half a byte per weight, plus bf16 scale and zero per 32 weights (5 bits in all)
     assert int4.nbytes == w.numel() // 2 + w.numel() // 32 * 4
     assert int4.nbytes < int8.nbytes < w.numel() * 4
@@ -106,28 +111,28 @@ def test_cuda_int4_packing_fits_the_inner_k_tiles_to_the_layer():
     """CUDA's packer lays 2, 4 or 8 k-tiles of 16 inputs side by side and refuses a k they do
     not divide: SmolLM2's 576 inputs (36 tiles) need 4, not 8. The CUDA branch is checked on
     the meta device, which computes the packed shape without data (or a GPU)."""
-    assert [quant16.inner_k_tiles(k) for k in (576, 1536, 4096, 64, 32, 96)] == [4, 8, 8, 4, 2, 2]
+    assert [inner_k_tiles(k) for k in (576, 1536, 4096, 64, 32, 96)] == [4, 8, 8, 4, 2, 2]
     with pytest.raises(ValueError, match="multiple of 32"):
-        quant16.inner_k_tiles(48)
+        inner_k_tiles(48)
     for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):   # qkv, o, gate_up, down
-        packed = quant16.Int4Weight(torch.empty(n, k, device="meta"), 32).packed
+        packed = Int4Weight(torch.empty(n, k, device="meta"), 32).packed
         tiles = packed.shape[3] * 2                 # [n / 8, k / (tiles * 16), 32, tiles / 2]
         assert packed.shape[0] * 8 == n and packed.shape[1] * tiles * 16 == k
 
 
 def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model_dir):
     """Packed int4 rows cannot be read back, so the tied matrix splits: int4 for the logits, int8 for lookups."""
-    base = model10.LlamaModel.from_folder(tiny_model_dir)
+    base = LlamaModel.from_folder(tiny_model_dir)
     assert base.config.tie_word_embeddings
-    default = quant16.quantize(base, "int4", 32)
-    packed = quant16.quantize(base, "int4", 32, head="int4")
-    assert default.w["lm_head"] is default.w["embed"] and isinstance(default.w["embed"], quant16.Int8Weight)
-    assert isinstance(packed.w["lm_head"], quant16.Int4Weight) and isinstance(packed.w["embed"], quant16.Int8Weight)
+    default = quantize(base, "int4", 32)
+    packed = quantize(base, "int4", 32, head="int4")
+    assert default.w["lm_head"] is default.w["embed"] and isinstance(default.w["embed"], Int8Weight)
+    assert isinstance(packed.w["lm_head"], Int4Weight) and isinstance(packed.w["embed"], Int8Weight)
     assert packed.weight_bytes == default.weight_bytes + packed.w["lm_head"].nbytes
-    assert quant16.format_name_of("int4", 32, "int4") == "int4 g32, head int4"
-    assert quant16.format_name_of("int4", 32, "int8") == quant16.format_name_of("int4", 32) == "int4 g32"
+    assert format_name_of("int4", 32, "int4") == "int4 g32, head int4"
+    assert format_name_of("int4", 32, "int8") == format_name_of("int4", 32) == "int4 g32"
     ids = list(range(100, 140))
-    batch = model10.RaggedBatch.build([ids], [0], [0], len(ids))
+    batch = RaggedBatch.build([ids], [0], [0], len(ids))
     logits = [m.forward(batch, m.new_cache(1, len(ids)), all_logits=True) for m in (default, packed)]
     # the same layers and embedding: only the head's rounding separates the two
     assert 0 < float((logits[0] - logits[1]).abs().max()) < 0.1 * float(logits[0].abs().max())
@@ -135,18 +140,18 @@ def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model
 
 def test_embedding_rows_come_from_the_int8_table():
     w = random_weight()
-    table, rows = quant16.Int8Weight(w), torch.tensor([0, 7, 3, 7])
+    table, rows = Int8Weight(w), torch.tensor([0, 7, 3, 7])
     assert torch.equal(table[rows], table.dequantize()[rows])
     assert table[rows].dtype == torch.float32
 
 
 @pytest.mark.parametrize("quant,group_size", [("int8", 32), ("int4", 32), ("bf16", 32), ("fp16", 32)])
 def test_quantized_model_fast_equals_reference_logits(tiny_model_dir, quant, group_size):
-    base = model10.LlamaModel.from_folder(tiny_model_dir)
-    fast = quant16.quantize(base, quant, group_size)
-    reference = quant16.quantize(base, quant, group_size, path="reference")
+    base = LlamaModel.from_folder(tiny_model_dir)
+    fast = quantize(base, quant, group_size)
+    reference = quantize(base, quant, group_size, path="reference")
     ids = list(range(100, 140))
-    batch = model10.RaggedBatch.build([ids], [0], [0], len(ids))
+    batch = RaggedBatch.build([ids], [0], [0], len(ids))
     got = fast.forward(batch, fast.new_cache(1, len(ids)), all_logits=True)
     want = reference.forward(batch, reference.new_cache(1, len(ids)), all_logits=True)
     exact = base.forward(batch, base.new_cache(1, len(ids)), all_logits=True)
@@ -159,44 +164,44 @@ def test_weight_format_is_a_step_from_model_to_model(tiny_model_dir, tmp_path):
     """Chapter 12 reaches every engine as an object, WeightFormat: settings are checked when it is
     made, before any weights load; applied, it gives Chapter 6's model over other weights and leaves
     the float model untouched."""
-    base = model10.LlamaModel.from_folder(tiny_model_dir)
-    to_int4 = quant16.WeightFormat("int4", 64, "int8")
+    base = LlamaModel.from_folder(tiny_model_dir)
+    to_int4 = WeightFormat("int4", 64, "int8")
     model = to_int4(base)
-    assert type(model) is model10.LlamaModel and model.format_name == quant16.format_name_of("int4", 64, "int8")
+    assert type(model) is LlamaModel and model.format_name == format_name_of("int4", 64, "int8")
     qkv = model.w["model.layers.0.qkv"]
-    assert isinstance(qkv, quant16.Int4Weight) and qkv.group_size == 64
-    assert isinstance(model.w["embed"], quant16.Int8Weight) and isinstance(base.w["model.layers.0.qkv"], torch.Tensor)
+    assert isinstance(qkv, Int4Weight) and qkv.group_size == 64
+    assert isinstance(model.w["embed"], Int8Weight) and isinstance(base.w["model.layers.0.qkv"], torch.Tensor)
     assert base.format_name is None
-    reference = quant16.WeightFormat("int8", path="reference")(base)
+    reference = WeightFormat("int8", path="reference")(base)
     assert reference.w["model.layers.1.down"].path == "reference" and reference.format_name == "int8"
     # The model runner's loader: the same weights as the step applied by hand.
-    loaded = runner10.load_model(tiny_model_dir, features=[quant16.WeightFormat("int4", 64, "int8")])
-    assert type(loaded) is model10.LlamaModel and loaded.format_name == model.format_name
-    batch = model10.RaggedBatch.build([list(range(100, 120))], [0], [0], 20)
+    loaded = load_model(tiny_model_dir, features=[WeightFormat("int4", 64, "int8")])
+    assert type(loaded) is LlamaModel and loaded.format_name == model.format_name
+    batch = RaggedBatch.build([list(range(100, 120))], [0], [0], 20)
     assert torch.equal(loaded.forward(batch, loaded.new_cache(1, 20)), model.forward(batch, model.new_cache(1, 20)))
-    assert type(runner10.load_model(tiny_model_dir)) is model10.LlamaModel      # no steps: the model's own
+    assert type(load_model(tiny_model_dir)) is LlamaModel      # no steps: the model's own
     for settings, message in (({"quant": "int3"}, "unknown quantisation mode"),
                               ({"quant": "int4", "group_size": 48}, "group size must be one of"),
                               ({"quant": "int8", "head": "int3"}, "unknown head format")):
         with pytest.raises(ValueError, match=message):
-            quant16.WeightFormat(**settings)
+            WeightFormat(**settings)
 
 
 def test_engine_through_load_engine_with_its_flags(tiny_model_dir):
     """06_benchmark and 05_server build an engine from its spec: the format comes from its flags,
     given beside the spec or inside it; without any, QuantizedEngine is int8."""
-    engine = engine04.load_engine("16_quantization_engine:QuantizedEngine --quant int4 --group-size 64",
-                                  str(tiny_model_dir), device="cpu", quant_head="f32")
+    engine = load_engine("16_quantization_engine:QuantizedEngine --quant int4 --group-size 64",
+                         str(tiny_model_dir), device="cpu", quant_head="f32")
     assert engine.quant == "int4 g64, head f32"
-    assert isinstance(engine.model.w["model.layers.0.qkv"], quant16.Int4Weight)
+    assert isinstance(engine.model.w["model.layers.0.qkv"], Int4Weight)
     assert isinstance(engine.model.w["lm_head"], torch.Tensor)
-    result = engine.generate("The capital of France is", 5, engine04.SamplingParams(ignore_eos=True))
+    result = engine.generate("The capital of France is", 5, SamplingParams(ignore_eos=True))
     assert len(result.output_ids) == 5 and result.metrics.tpot_ms is not None
     batch = engine.generate_batch(["Hello", "The capital of France is"], 4,
-                                  engine04.SamplingParams(ignore_eos=True))
+                                  SamplingParams(ignore_eos=True))
     assert [len(r.output_ids) for r in batch] == [4, 4]
-    int8 = engine04.load_engine("16_quantization_engine:QuantizedEngine", str(tiny_model_dir), device="cpu")
-    assert int8.quant == "int8" and isinstance(int8.model.w["embed"], quant16.Int8Weight)
+    int8 = load_engine("16_quantization_engine:QuantizedEngine", str(tiny_model_dir), device="cpu")
+    assert int8.quant == "int8" and isinstance(int8.model.w["embed"], Int8Weight)
 
 
 # ---------------------------------------------------------------- formats compose with the assembled engine
@@ -242,7 +247,7 @@ def test_continuous_batching_on_quantised_weights_equals_the_quantised_engine(
     engine.on_step = lambda work, events: chunks.extend(
         0 < s < r.n_prompt for r, s in zip(work.requests, work.starts))
     try:
-        assert engine.quant == quantized_reference.engines[quant].quant == quant16.format_name_of(quant, 32)
+        assert engine.quant == quantized_reference.engines[quant].quant == format_name_of(quant, 32)
         assert engine.features()["quant"] == engine.quant and engine.prefix_caching is prefix_caching
         for prompts in (tuple(reference_prompts), tuple(SHARED_SYSTEM + p for p in reference_prompts)):
             runs = [engine.generate_batch(list(prompts), N_QUANT) for _ in range(2 if prefix_caching else 1)]
@@ -301,13 +306,13 @@ def test_bad_settings_raise_value_error(tiny_model_dir):
     with pytest.raises(ValueError, match=r"layers\.0\.qkv: int4 group size 128 does not divide the layer's 64"):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int4", group_size=128)
     with pytest.raises(ValueError, match="does not divide"):
-        quant16.quantize_int4(torch.randn(8, 100), 32)
+        quantize_int4(torch.randn(8, 100), 32)
     with pytest.raises(ValueError, match="unknown quantisation mode None"):   # a QuantizedEngine is quantised
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant=None)
     with pytest.raises(ValueError, match="path must be"):
-        quant16.Int8Weight(torch.randn(4, 32), path="quick")
+        Int8Weight(torch.randn(4, 32), path="quick")
     with pytest.raises(ValueError, match="cannot read mode"):
-        demo16.parse_mode("int4-q32")
+        parse_mode("int4-q32")
     with pytest.raises(ValueError, match="unknown head format 'int3'"):
         engine16.QuantizedEngine(str(tiny_model_dir), device="cpu", quant="int8", quant_head="int3")
     # Every engine from Chapter 6 on takes the same keywords, checked the same way.
@@ -315,7 +320,7 @@ def test_bad_settings_raise_value_error(tiny_model_dir):
         LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int3")
     with pytest.raises(ValueError, match="group_size must be one of"):
         LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20, quant="int4", group_size=48)
-    assert demo16.parse_mode("int4-g64-int4head") == ("int4", 64, "int4")
+    assert parse_mode("int4-g64-int4head") == ("int4", 64, "int4")
 
 
 def test_agreement_counts_tokens_before_the_first_divergence():
@@ -325,8 +330,8 @@ def test_agreement_counts_tokens_before_the_first_divergence():
 
 def test_perplexity_of_a_uniform_model_is_the_vocabulary(tiny_model_dir):
     """All-zero weights give equal logits for every token: perplexity must be exactly the vocab size."""
-    base = model10.LlamaModel.from_folder(tiny_model_dir)
-    zeros = model10.LlamaModel(base.config, {k: torch.zeros_like(v) for k, v in base.w.items()})
+    base = LlamaModel.from_folder(tiny_model_dir)
+    zeros = LlamaModel(base.config, {k: torch.zeros_like(v) for k, v in base.w.items()})
     assert demo16.perplexity(zeros, list(range(50)), window=16) == pytest.approx(base.config.vocab_size, rel=1e-4)
 
 
@@ -360,17 +365,17 @@ def test_llama_cpp_anchor_refuses_clearly(tmp_path, monkeypatch):
         anchor.LlamaCppEngine(tmp_path / "model.gguf", None, 2)
     engine = object.__new__(anchor.LlamaCppEngine)   # the parameter check comes before any llama.cpp call
     with pytest.raises(ValueError, match="plain greedy"):
-        engine.generate("Hi", 4, engine04.SamplingParams(temperature=0.7))
+        engine.generate("Hi", 4, SamplingParams(temperature=0.7))
 
 
 def test_ceiling_parts_run_on_every_format(tiny_model_dir):
     """16_quantization_ceiling times matmuls apart from the rest: its hollow model must skip every
     matmul (all-zero logits) yet run the same forward, for float32 and quantised weights alike."""
     ceiling = load_script("16_quantization_ceiling")
-    base = model10.LlamaModel.from_folder(tiny_model_dir)
-    for model in (base, quant16.quantize(base, "int4", 32)):
+    base = LlamaModel.from_folder(tiny_model_dir)
+    for model in (base, quantize(base, "int4", 32)):
         hollow = ceiling.without_matmuls(model)
-        batch = model10.RaggedBatch.build([[5, 6, 7]], [0], [0], 8)
+        batch = RaggedBatch.build([[5, 6, 7]], [0], [0], 8)
         logits = hollow.forward(batch, hollow.new_cache(1, 8))
         assert logits.shape == (1, base.config.vocab_size) and not logits.any()
         assert model.forward(batch, model.new_cache(1, 8)).any()     # the original is untouched

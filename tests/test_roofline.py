@@ -1,5 +1,5 @@
-"""Chapter 4 (08_roofline.py): a step's bytes and FLOPs against hand numbers, the roofline's
-arithmetic, and the measurements run on tiny sizes."""
+"""Chapter 4 (08_roofline.py, over minivllm/roofline.py): a step's bytes and FLOPs against hand
+numbers, the roofline's arithmetic, and the measurements run on tiny sizes."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from conftest import load_script
+from minivllm import threads
+from minivllm.model import LlamaModel
+from minivllm.roofline import LLAMA3_8B, as_config, best_time, forward_flops, measure_bandwidth, measure_matmul_peak
 
 roofline = load_script("08_roofline")
-sizes = load_script("08_kv_cache_sizes")
-kv = load_script("08_kv_cache")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # SmolLM2-135M's config, written out (the fields the arithmetic reads)
-SMOL = sizes.as_config(dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                            hidden_size=576, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
-                            max_position_embeddings=8192))
+SMOL = as_config(dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      hidden_size=576, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                      max_position_embeddings=8192))
 SMOL_PARAMS = 134_515_008          # the model's parameter count (the tied head counted once)
 
 
@@ -37,7 +38,7 @@ def test_decode_step_cost_of_the_default_model_by_hand():
 
 
 def test_untied_embeddings_are_looked_up_not_read():
-    llama = sizes.as_config(sizes.LLAMA3_8B)
+    llama = as_config(LLAMA3_8B)
     table = 128256 * 4096 * 2                                          # the input embedding, bf16
     assert roofline.weights_read(llama, torch.bfloat16, 1) == 2 * 8_030_261_248 - table + 4096 * 2
     assert roofline.weights_read(SMOL, torch.float32, 8) == 4 * SMOL_PARAMS
@@ -45,7 +46,7 @@ def test_untied_embeddings_are_looked_up_not_read():
 
 def test_prefill_cost_by_hand():
     cost = roofline.prefill_cost(SMOL, 100)
-    assert cost.flops == kv.forward_flops(SMOL, 100, 0)
+    assert cost.flops == forward_flops(SMOL, 100, 0)
     assert cost.kv_bytes == 100 * 46080 and cost.weight_bytes == 4 * SMOL_PARAMS
     assert cost.intensity > 40 * roofline.decode_step_cost(SMOL, 1, 100).intensity
 
@@ -72,9 +73,9 @@ def test_bend_batch_is_the_first_batch_at_the_ridge():
 
 def test_measurements_run_on_tiny_sizes():
     cpu = torch.device("cpu")
-    assert roofline.measure_bandwidth(cpu, nbytes=1 << 20, repeats=2) > 1e6
-    assert roofline.measure_matmul_peak(cpu, torch.float32, n=64, repeats=2) > 1e6
-    assert roofline.measure_matmul_peak(cpu, torch.bfloat16, n=64, repeats=2) > 1e5
+    assert measure_bandwidth(cpu, nbytes=1 << 20, repeats=2) > 1e6
+    assert measure_matmul_peak(cpu, torch.float32, n=64, repeats=2) > 1e6
+    assert measure_matmul_peak(cpu, torch.bfloat16, n=64, repeats=2) > 1e5
 
 
 def test_steps_are_timed_on_the_decode_loop(tiny_model_dir):
@@ -102,14 +103,14 @@ def test_matmul_bound_counts_the_flops_it_times(tiny_model_dir):
     from torch.utils.flop_counter import FlopCounterMode
 
     bound = load_script("13_matmul_bound")
-    model = load_script("10_model").LlamaModel.from_folder(tiny_model_dir)
+    model = LlamaModel.from_folder(tiny_model_dir)
     with FlopCounterMode(display=False) as counter, torch.inference_mode():
         bound.matmuls_ms(model, tokens=5, heads=2)
     assert counter.get_total_flops() == bound.matmul_flops(model, 5, 2)
 
 
 def test_measurements_in_a_log_are_plain_lines_without_carriage_returns(capsys):
-    roofline.best_time(lambda: None, torch.device("cpu"), 3, label="bandwidth")
+    best_time(lambda: None, torch.device("cpu"), 3, label="bandwidth")
     err = capsys.readouterr().err   # captured: not a terminal, as in `python 08_roofline.py > log 2>&1`
     assert "\r" not in err and err.startswith("[measure] bandwidth: best of 3 tries") and err.count("\n") == 1
 
@@ -117,6 +118,6 @@ def test_measurements_in_a_log_are_plain_lines_without_carriage_returns(capsys):
 def test_the_plot_names_the_device_measured(monkeypatch):
     """A run on CUDA is labelled with the GPU's name, not the host CPU's."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(roofline.threads, "cpu_name", lambda: "AMD EPYC (test)")
+    monkeypatch.setattr(threads, "cpu_name", lambda: "AMD EPYC (test)")
     assert roofline.device_label(torch.device("cuda")) == "NVIDIA H100 80GB HBM3"
     assert roofline.device_label(torch.device("cpu")) == "AMD EPYC (test)"

@@ -10,11 +10,12 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from conftest import load_script
-from minivllm import LLM
+from kit.engines import load_engine
+from minivllm import LLM, output
+from minivllm.contracts import SamplingParams
+from minivllm.sampling import (TokenHistory, adjust_logits, apply_logit_bias, apply_presence_frequency,
+                               apply_repetition_penalty, token_logprobs)
 
-sampling = load_script("02_sampling")
-contracts = load_script("03_contracts")
-SamplingParams = contracts.SamplingParams
 N_NEW = 8
 
 # The tiny random model never repeats itself within a few tokens, so a penalty on repeats
@@ -65,28 +66,28 @@ def test_bounds_themselves_are_accepted_and_the_bias_is_normalised():
 def test_each_adjustment_by_hand():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     seen = torch.tensor([[True, True, False, False]])
-    assert sampling.apply_repetition_penalty(logits, seen, torch.tensor([[2.0]])).tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    assert apply_repetition_penalty(logits, seen, torch.tensor([[2.0]])).tolist() == [[1.0, -4.0, 1.0, 0.5]]
     counts = torch.tensor([[2.0, 0.0, 1.0, 0.0]])
-    out = sampling.apply_presence_frequency(logits, counts, torch.tensor([[0.5]]), torch.tensor([[1.0]]))
+    out = apply_presence_frequency(logits, counts, torch.tensor([[0.5]]), torch.tensor([[1.0]]))
     assert out.tolist() == [[-0.5, -2.0, -0.5, 0.5]]
-    assert sampling.apply_logit_bias(logits, [((1, 3.0), (3, -0.5))]).tolist() == [[2.0, 1.0, 1.0, 0.0]]
+    assert apply_logit_bias(logits, [((1, 3.0), (3, -0.5))]).tolist() == [[2.0, 1.0, 1.0, 0.0]]
 
 
 def test_adjust_logits_is_per_row_and_leaves_plain_rows_alone():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     params = [SamplingParams(), SamplingParams(**ALL), SamplingParams(repetition_penalty=1.5)]
-    histories = [None] + [sampling.TokenHistory([1, 2, 13], 50) for _ in range(2)]
+    histories = [None] + [TokenHistory([1, 2, 13], 50) for _ in range(2)]
     for token in (13, 13, 7):
         histories[1].add(token)
         histories[2].add(token)
-    batched = sampling.adjust_logits(logits, params, histories)
+    batched = adjust_logits(logits, params, histories)
     assert torch.equal(batched[0], logits[0])
     for row in (1, 2):
-        alone = sampling.adjust_logits(logits[row:row + 1], params[row:row + 1], histories[row:row + 1])
+        alone = adjust_logits(logits[row:row + 1], params[row:row + 1], histories[row:row + 1])
         assert torch.equal(batched[row], alone[0])
     assert not torch.equal(batched[1], logits[1]) and not torch.equal(batched[2], logits[2])
-    assert sampling.adjust_logits(logits, [SamplingParams()] * 3, [None] * 3) is logits   # nothing to do: no copy
+    assert adjust_logits(logits, [SamplingParams()] * 3, [None] * 3) is logits   # nothing to do: no copy
 
 
 def test_hf_processors_compute_the_same_numbers():
@@ -98,16 +99,16 @@ def test_hf_processors_compute_the_same_numbers():
     seen[0, ids[0]] = True
     for penalty in (0.3, 1.1, 1.3, 1.9):
         hf = RepetitionPenaltyLogitsProcessor(penalty)(ids, scores.clone())
-        assert torch.equal(hf, sampling.apply_repetition_penalty(scores, seen, torch.tensor([[penalty]])))
+        assert torch.equal(hf, apply_repetition_penalty(scores, seen, torch.tensor([[penalty]])))
     bias = ((3, 2.5), (99, -100.0))
     hf = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias])(ids, scores.clone())
-    assert torch.equal(hf, sampling.apply_logit_bias(scores, [bias]))
+    assert torch.equal(hf, apply_logit_bias(scores, [bias]))
 
 
 def test_token_logprobs_are_the_models_distribution():
     torch.manual_seed(2)
     logits = torch.randn(2, 40)
-    entries = sampling.token_logprobs(logits, [5, 9], [3, 0])
+    entries = token_logprobs(logits, [5, 9], [3, 0])
     expected = logits.log_softmax(-1)
     assert entries[0].token_id == 5 and entries[0].logprob == pytest.approx(float(expected[0, 5]))
     assert [t for t, _ in entries[0].top] == expected[0].topk(3).indices.tolist()
@@ -185,15 +186,14 @@ def test_a_batch_samples_each_row_as_if_alone(tiny_loop):
     torch.manual_seed(3)
     logits = torch.randn(3, tiny_loop.vocab_size)
     params = [SamplingParams(**ALL, logprobs=1), SamplingParams(), SamplingParams(frequency_penalty=2.0)]
-    decode_loop = load_script("07_decode_loop")
 
     def fresh():
         requests = [tiny_loop.output.new_request([1, 2, 3], p, 8) for p in params]
         for r in requests:
             tiny_loop.output.accept(r, int(logits[0].argmax()), 0.0)
         return requests
-    together = decode_loop.sample(logits, seqs := fresh())
-    alone = [decode_loop.sample(logits[i:i + 1], [s])[0] for i, s in enumerate(fresh())]
+    together = output.sample(logits, seqs := fresh())
+    alone = [output.sample(logits[i:i + 1], [s])[0] for i, s in enumerate(fresh())]
     assert together == alone
     assert len(seqs[0].logprobs) == 1 and seqs[1].logprobs is None
 
@@ -204,7 +204,7 @@ def test_a_batch_samples_each_row_as_if_alone(tiny_loop):
 def test_engines_on_our_own_model_honour_every_control(spec, tiny_model_dir, tiny_engine, reference_prompts):
     """Chapters 6-9 sample through the same Request: penalties (repetition covers the prompt,
     so each engine must hand its prompt ids over) and bias give the baseline's tokens."""
-    engine = load_script("04_engine").load_engine(spec, str(tiny_model_dir), device="cpu")
+    engine = load_engine(spec, str(tiny_model_dir), device="cpu")
     try:
         params = SamplingParams(**ALL)
         for prompt in reference_prompts[:2]:

@@ -21,8 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import load_script
 from kit import cli
+from kit.engines import load_engine
 from minivllm import LLM
 from minivllm.output import Request
+from minivllm.text import render_chat
 from test_server import asgi_request
 
 server = load_script("05_server")
@@ -225,13 +227,12 @@ def test_engine_flags_reach_the_engine_and_are_refused_by_others(tiny_model_dir)
     args = server.arguments().parse_args(["--kv-memory", "2MB", "--max-num-seqs", "4", "--prefix-caching"])
     options = cli.engine_options(args)
     assert options == {"kv_memory": 2 << 20, "max_num_seqs": 4, "prefix_caching": True}
-    engine = engine_lib.load_engine("minivllm:LLM", str(tiny_model_dir),
-                                    device="cpu", **options)
+    engine = load_engine("minivllm:LLM", str(tiny_model_dir), device="cpu", **options)
     assert engine.scheduler.max_num_seqs == 4 and engine.blocks.num_blocks == (2 << 20) // (512 * 16)
     assert type(engine.blocks).__name__ == "PrefixCachingBlockManager"
     engine.close()
     with pytest.raises(ValueError, match="does not take kv_memory"):
-        engine_lib.load_engine("04_engine:BaselineEngine", str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
+        load_engine("04_engine:BaselineEngine", str(tiny_model_dir), device="cpu", kv_memory=1 << 20)
 
 
 @pytest.mark.real_model
@@ -239,8 +240,8 @@ def test_the_real_server_batches_concurrent_openai_clients(default_model_dir, re
     """A real uvicorn process with the continuous-batching engine; the official client, 8 at once."""
     openai = pytest.importorskip("openai")
     questions = QUESTIONS
-    expected = [real_engine.generate(engine_lib.render_chat(real_engine.tokenizer, [{"role": "user", "content": q}]),
-                                     12).text for q in questions]
+    expected = [real_engine.generate(render_chat(real_engine.tokenizer, [{"role": "user", "content": q}]), 12).text
+                for q in questions]
     with launcher.serve_in_subprocess(model=str(default_model_dir), engine="minivllm:LLM",
                                     device="cpu", args=("--kv-memory", "64MB")) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")

@@ -7,16 +7,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from conftest import REPO_ROOT, load_script
+from minivllm.text import render_chat
 
 openai = pytest.importorskip("openai")
-render_chat = load_script("04_engine").render_chat
 launcher = importlib.import_module("kit.launcher")
 
 PROMPTS = ["Tell me about the sea.", "What is 2+2?", "Name a colour.", "Write a haiku.",

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import load_script
+from kit.engines import load_engine
 
 openai = pytest.importorskip("openai")
 server = load_script("05_server")
@@ -29,7 +30,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module", params=["04_engine:BaselineEngine", "minivllm:LLM"],
                 ids=["hf", "batching"])
 def http(request, tiny_model_dir):
-    engine = load_script("04_engine").load_engine(request.param, str(tiny_model_dir), device="cpu")
+    engine = load_engine(request.param, str(tiny_model_dir), device="cpu")
     with TestClient(server.make_app(engine, model_name="tiny")) as c:
         yield c
 

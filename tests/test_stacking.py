@@ -11,10 +11,10 @@ import textwrap
 
 import pytest
 
-from conftest import REPO_ROOT, load_script, run_child
+from conftest import REPO_ROOT, run_child
+from kit.workloads import reference_prompts
 
-engine04 = load_script("04_engine")
-PROMPTS = engine04.reference_prompts()[:4]
+PROMPTS = reference_prompts()[:4]
 
 CHILD = textwrap.dedent("""
     import json, os, sys, time

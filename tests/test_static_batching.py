@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import load_script
+from minivllm.contracts import SamplingParams
 
 N_NEW = 24
 
@@ -76,13 +77,13 @@ def test_batch_equals_each_prompt_alone(tiny_batch, tiny_engine, reference_promp
     assert batched[0].output_ids == tiny_engine.generate(reference_prompts[0], N_NEW).output_ids
 
 
-def test_rows_that_end_early(batch_mod, tiny_batch, reference_prompts, monkeypatch):
+def test_rows_that_end_early(tiny_batch, reference_prompts, monkeypatch):
     # The random tiny model never picks the real EOS: declare a token of row 0's output to be EOS,
     # and give row 2 a stop string from its own output, so rows stop at different steps.
     eos = tiny_batch.generate(reference_prompts[0], 12).output_ids[3]
     monkeypatch.setattr(tiny_batch.output, "eos_token_ids", {eos})   # the output processor decides
     stop = tiny_batch.tokenizer.decode(tiny_batch.generate(reference_prompts[2], 12).output_ids[6:8])
-    params = batch_mod.SamplingParams(stop=(stop,))
+    params = SamplingParams(stop=(stop,))
     batched = tiny_batch.generate_batch(reference_prompts, 12, params)
     for prompt, result in zip(reference_prompts, batched):
         assert_matches_solo(tiny_batch, prompt, tiny_batch.generate(prompt, 12, params), result)
@@ -107,8 +108,8 @@ def test_split_by_max_batch_size(tiny_batch, reference_prompts, monkeypatch):
         assert_matches_solo(tiny_batch, prompt, a, b)
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(batch_mod, tiny_batch, reference_prompts):
-    params = batch_mod.SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_batch, reference_prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
     prompts = [reference_prompts[0], reference_prompts[3], reference_prompts[0]]
     batched = tiny_batch.generate_batch(prompts, 12, params)
     assert batched[0].output_ids == batched[2].output_ids   # same seed for every row, by design

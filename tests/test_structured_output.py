@@ -12,7 +12,9 @@ import pytest
 
 from conftest import load_script
 from minivllm import LLM
-from minivllm.structured import StructuredOutput
+from minivllm.output import constrain, sample
+from minivllm.structured import StructuredOutput, make_constraint
+from minivllm.text import render_chat
 
 BUDGET = 160
 SCHEMAS = {
@@ -126,7 +128,7 @@ def test_by_hand_allows_the_same_tokens_as_xgrammar(so, tiny_model_engine):
     vocab = tiny_model_engine.output.vocab_size
     choices = ["positive", "negative", "neutral"]
     by_hand = so.ChoiceByHand(choices, so.token_texts(tok), eos)
-    real = so.make_constraint(tok, vocab, eos, ("choice", tuple(choices)))
+    real = make_constraint(tok, vocab, eos, ("choice", tuple(choices)))
     for token in tok("neutral", add_special_tokens=False).input_ids + [min(eos)]:
         hand_allowed = {t for t in range(vocab) if by_hand.allowed(t)}
         assert hand_allowed == set(real.allowed_mask().nonzero().flatten().tolist())
@@ -134,9 +136,9 @@ def test_by_hand_allows_the_same_tokens_as_xgrammar(so, tiny_model_engine):
     assert by_hand.finished and real.finished and by_hand.text == "neutral"
 
 
-def test_constraint_allows_accepts_and_rolls_back(so, tiny_model_engine):
+def test_constraint_allows_accepts_and_rolls_back(tiny_model_engine):
     tok, eos = tiny_model_engine.tokenizer, tiny_model_engine.output.eos_token_ids
-    c = so.make_constraint(tok, tiny_model_engine.output.vocab_size, eos, ("regex", "ab+c"))
+    c = make_constraint(tok, tiny_model_engine.output.vocab_size, eos, ("regex", "ab+c"))
     a, b, cc = (tok.convert_tokens_to_ids(x) for x in "abc")
     assert c.allowed(a) and not c.allowed(b)
     assert c.accept(a) and c.accept(b) and c.accept(b)
@@ -184,22 +186,21 @@ def test_every_engine_gives_the_same_constrained_tokens(contracts, tiny_model_di
     assert stream[-1].output_ids == results[0].output_ids
 
 
-def test_sample_masks_constrained_rows_only(contracts, so, tiny_model_engine):
+def test_sample_masks_constrained_rows_only(contracts, tiny_model_engine):
     import torch
 
-    loop = load_script("07_decode_loop")
     out, P = tiny_model_engine.output, contracts.SamplingParams
     requests = [out.new_request([1, 2, 3], P(), 8), out.new_request([1, 2], P(structured={"choice": ["yes", "no"]}), 8),
                 out.new_request([4], P(temperature=1.0, seed=1), 8)]
     logits = torch.randn(3, out.vocab_size)
     before = logits.clone()
-    masked = loop.constrain(logits, requests)
+    masked = constrain(logits, requests)
     assert torch.equal(logits, before)                       # the raw logits are not touched (logprobs read them)
     assert torch.equal(masked[0], before[0]) and torch.equal(masked[2], before[2])   # free rows: bit for bit
     allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
     assert 0 < len(allowed) < 20 and all("yes".startswith(t) or "no".startswith(t)
                                          for t in out.tokenizer.batch_decode([[a] for a in allowed]))
-    token = loop.sample(logits, requests)[1]
+    token = sample(logits, requests)[1]
     assert token in allowed
 
 
@@ -209,7 +210,7 @@ def test_one_bitmask_a_step_for_every_constrained_row(contracts, so, tiny_model_
     for xgrammar and for the by-hand scan alike."""
     import torch
 
-    loop, out, P = load_script("07_decode_loop"), tiny_model_engine.output, contracts.SamplingParams
+    out, P = tiny_model_engine.output, contracts.SamplingParams
     requests = [out.new_request([1, 2], P(structured={"choice": ["yes", "no"]}), 8), out.new_request([1, 2, 3], P(), 8),
                 out.new_request([4], P(structured={"regex": "[0-9]+"}), 8), out.new_request([5], P(), 8)]
     by_hand = so.ChoiceByHand(["alpha", "beta"], so.token_texts(out.tokenizer), out.eos_token_ids)
@@ -220,7 +221,7 @@ def test_one_bitmask_a_step_for_every_constrained_row(contracts, so, tiny_model_
             fill = r.constraint.fill_bitmask
             r.constraint.fill_bitmask = lambda words, row, fill=fill: seen.append((words, row)) or fill(words, row)
     logits = torch.randn(4, out.vocab_size)
-    masked = loop.constrain(logits, requests)
+    masked = constrain(logits, requests)
     assert [row for _, row in seen] == [0, 1, 2] and all(words is seen[0][0] for words, _ in seen)
     assert seen[0][0].device.type == "cpu" and seen[0][0].shape == (3, -(-out.vocab_size // 32))
     assert torch.equal(masked[1], logits[1])
@@ -274,10 +275,9 @@ def test_continuous_batching_mixed_step_leaves_free_requests_alone(contracts, ti
 @pytest.mark.real_model
 def test_real_model_json_always_validates_where_free_text_does_not(contracts, default_model_dir):
     engine = load_script("10_model_engine").ModelEngine(str(default_model_dir), device="cpu", structured_output=StructuredOutput())
-    engine04 = load_script("04_engine")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population_millions": {"type": "number"}},
               "required": ["city", "population_millions"]}
-    prompt = engine04.render_chat(engine.tokenizer, [{"role": "user", "content":
-                                  "Describe Paris as JSON with the keys city and population_millions."}])
+    prompt = render_chat(engine.tokenizer, [{"role": "user", "content":
+                                             "Describe Paris as JSON with the keys city and population_millions."}])
     assert_valid(engine.generate(prompt, 64, structured(contracts, schema)), schema)

@@ -22,16 +22,19 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, load_script, run_child
+from kit.workloads import reference_prompts
 from minivllm import LLM
+from minivllm.contracts import SamplingParams
+from minivllm.quantization import WeightFormat
+from minivllm.speculative import SpeculativeDecoding
 from test_server_continuous import body_for, text_of
 
-engine04 = load_script("04_engine")
 server = load_script("05_server")
 launcher = importlib.import_module("kit.launcher")
 SPEC = "minivllm:LLM"
 
 KV = 8 << 20
-PROMPTS = engine04.reference_prompts() + ["One, two, three,"]          # 8 requests
+PROMPTS = reference_prompts() + ["One, two, three,"]          # 8 requests
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def test_logits_within_1e_4_of_one_process(single, parallel):
 
 
 def test_greedy_identical_for_8_concurrent_requests(single, parallel):
-    params = engine04.SamplingParams(ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     one = single.generate_batch(PROMPTS, 12, params)
     parallel.recent_batches.clear()
     two = parallel.generate_batch(PROMPTS, 12, params)
@@ -82,14 +85,13 @@ def test_greedy_identical_for_8_concurrent_requests(single, parallel):
 def test_speculative_verification_runs_on_every_rank(single, parallel):
     """Chapter 10 on Chapter 14: a verification feeds k + 1 tokens and wants their logits; the
     workers must compute the same rows, or the LM head's all-gather would not match."""
-    spec, quant = load_script("14_speculative_decoding"), load_script("16_quantization")
     plain = parallel.runner
-    parallel.runner = spec.SpeculativeDecoding("draft", 4).build(   # this model on int4, on rank 0
-        plain, parallel.folder, KV, parallel.pool.block_size, [quant.WeightFormat("int4", 32)])
+    parallel.runner = SpeculativeDecoding("draft", 4).build(   # this model on int4, on rank 0
+        plain, parallel.folder, KV, parallel.pool.block_size, [WeightFormat("int4", 32)])
     try:
         draft = parallel.speculator.proposer.runner   # the whole draft model, on a pool of the budget asked for
         assert draft.model.config == single.model.config and draft.kv.num_blocks == single.pool.num_blocks
-        params = engine04.SamplingParams(ignore_eos=True)
+        params = SamplingParams(ignore_eos=True)
         one, two = single.generate_batch(PROMPTS[:4], 16, params), parallel.generate_batch(PROMPTS[:4], 16, params)
         assert [r.output_ids for r in one] == [r.output_ids for r in two]
         assert sum(r.metrics.accepted_tokens or 0 for r in two) > 0
@@ -251,7 +253,7 @@ REAL = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [{root!r}, {tests!r}]
     import test_tensor_parallel as t
-    prompts, params, out = t.PROMPTS[:7], t.engine04.SamplingParams(), {{}}
+    prompts, params, out = t.PROMPTS[:7], t.SamplingParams(), {{}}
     one = t.LLM({model!r}, device="cpu", kv_memory=64 << 20)
     logits, expected = t.prefill_logits(one, prompts), one.generate_batch(prompts, 8, params)
     one.close()
