@@ -32,7 +32,7 @@ def main() -> None:
                           args.max_num_batched_tokens)
     params = SamplingParams()
     for i, (prompt_len, budget) in enumerate([(10, 3), (3, 4), (6, 2), (2, 3)]):
-        scheduler.add(Request(i, list(range(prompt_len)), params, budget, detok=None, generator=None))
+        scheduler.add(Request(i, list(range(prompt_len)), params, budget, detok=None))
     print(f"[{args.num_blocks} blocks x {args.block_size} tokens, at most {args.max_num_seqs} sequences and "
           f"{args.max_num_batched_tokens} tokens a step; requests r0..r3 with prompts of 10, 3, 6, 2 tokens]")
     step = 0

@@ -19,6 +19,12 @@ from minivllm.contracts import NO_STRUCTURED_OUTPUT, GenerateResult, RequestMetr
 from minivllm.sampling import TokenHistory
 from minivllm.text import IncrementalDetokenizer, attach_logprobs, tokenize
 
+def new_seed() -> int:
+    """A seed for a request that brought none: from torch's global stream, so that
+    torch.manual_seed makes a whole script's sampled answers repeat."""
+    return int(torch.randint(2**62, ()))
+
+
 # --8<-- [start:request]
 @dataclass(eq=False)
 class Request:
@@ -30,7 +36,7 @@ class Request:
     params: SamplingParams
     budget: int                                   # new tokens it may produce
     detok: IncrementalDetokenizer        # text so far, and whether a stop string appeared
-    generator: torch.Generator | None             # private seeded stream (None: torch's global one)
+    seed: int = 0                                 # what its sampled tokens' noise comes from
     new_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None              # None while still running
     arrival: float = field(default_factory=time.perf_counter)   # TTFT and latency count from here
@@ -70,22 +76,22 @@ class Request:
 
 # --8<-- [start:sample]
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """One token id per row: Chapter 1's sampling, each row with its own generator.
+    """One token id per row: the argmax for greedy rows, the Gumbel-max race for sampled ones.
 
     Bias and penalties are applied to the whole batch first; log-probabilities are
-    read from the logits as the model gave them.
+    read from the logits as the model gave them. A sampled row's noise is keyed on its seed
+    and output position (`draw_key`), so its token does not depend on its batch mates, on the
+    device, or on whether speculation (Chapter 10) guessed it: one rule for every drawn token.
     """
     adjusted = sampling.adjust_logits(logits, [r.params for r in requests], [r.history for r in requests])
     adjusted = constrain(adjusted, requests)
-    if all(r.params.is_greedy for r in requests):
-        tokens = sampling.greedy(adjusted).tolist()   # one argmax and one device sync for the batch
-    else:
-        # Each row its own draw, from its own generator, left on the device: one transfer of the
-        # step's tokens at the end, rather than a wait for each row (Chapter 15: a GPU never idles).
-        draws = [sampling.greedy(row).view(1) if r.params.is_greedy else torch.multinomial(
-            sampling.probabilities(row, r.params), num_samples=1, generator=r.generator)
-            for row, r in zip(adjusted, requests)]
-        tokens = torch.cat(draws).tolist()
+    chosen = sampling.greedy(adjusted)
+    drawn = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+    if drawn:   # one race for every sampled row of the step; nothing waits for the device until .tolist()
+        log_p = torch.stack([sampling.probabilities(adjusted[i], requests[i].params) for i in drawn]).log()
+        index = torch.tensor(drawn).to(chosen.device, non_blocking=True)
+        chosen = chosen.index_copy(0, index, sampling.race(log_p, [draw_key(requests[i]) for i in drawn]))
+    tokens = chosen.tolist()   # the step's one transfer
     asking = [i for i, r in enumerate(requests) if r.logprobs is not None and r.finish_reason is None]
     if asking:
         entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
@@ -94,6 +100,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             requests[i].logprobs.append(entry)
     return tokens
 # --8<-- [end:sample]
+
+
+def draw_key(r: Request, ahead: int = 0) -> int:
+    """The noise key of r's next sampled token (or of the one `ahead` positions after it)."""
+    return sampling.noise_key(r.seed, 0, len(r.new_ids) + ahead)
 
 
 # --8<-- [start:constrain]
@@ -171,7 +182,7 @@ class OutputProcessor:
                                                            params.structured)
         return Request(next(self._ids), list(prompt_ids), params, budget,
                        IncrementalDetokenizer(self.tokenizer, params.stop),
-                       sampling.make_generator(params.seed, self.device), history=history,
+                       new_seed() if params.seed is None else params.seed, history=history,
                        logprobs=None if params.logprobs is None else [], constraint=constraint,
                        **({} if arrival is None else {"arrival": arrival}))
     # --8<-- [end:output-processor]

@@ -7,6 +7,8 @@ penalties), plus the log-probabilities a client can read back.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minivllm.contracts import TokenLogprob
@@ -138,6 +140,52 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: list[int]) -> 
         entries.append(TokenLogprob(token_id, lp, alternatives))
     return entries
 # --8<-- [end:logprobs]
+
+
+# --8<-- [start:race]
+WORD = 0xFFFFFFFF    # the noise is made of 32-bit words, held in int64 so no product overflows
+
+
+def mix32(x):
+    """A 32-bit integer hash (a bijection that scrambles every bit), on a Python int or an int64
+    tensor alike: the multipliers are below 2**31, so no product leaves int64, on any device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & WORD
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & WORD
+    return x ^ (x >> 16)
+
+
+def noise_key(seed: int, choice: int, position: int) -> int:
+    """The one number a draw's noise comes from: a request's seed, which of its answers (0 unless
+    it asked for several) and the output position. Nothing else: no stream that other draws advance."""
+    key = 0
+    for word in (seed & WORD, (seed >> 32) & WORD, choice & WORD, position & WORD):
+        key = mix32((key ^ word) + 0x9E3779B9 & WORD)
+    return key
+
+
+@functools.lru_cache(maxsize=8)
+def _vocabulary_words(vocab: int, device: str) -> torch.Tensor:
+    return mix32(mix32(torch.arange(vocab, dtype=torch.int64, device=device)))
+
+
+def gumbel_noise(keys: list[int], vocab: int, device) -> torch.Tensor:
+    """[len(keys), vocab] Gumbel noise, row i from keys[i] alone: a counter-based hash of (key,
+    token id), computed with the same integer steps on a CPU and on a GPU, so both draw the
+    same tokens for the same seeds (up to the last bit of a logarithm)."""
+    keys = torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True)
+    words = mix32(_vocabulary_words(vocab, str(device))[None, :] ^ keys[:, None])
+    u = ((words >> 8).float() + 0.5) * 2.0 ** -24          # 24 random bits: uniform in (0, 1), never 0
+    return -(-u.log()).log()
+
+
+def race(log_p: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """The Gumbel-max race, one token per row: argmax(log p + g) is an exact draw from p
+    (a token with p = 0, cut by top-k, top-p or a grammar, has log p = -inf and never wins).
+    One batched operation for the whole step and no wait for the device."""
+    return (log_p + gumbel_noise(keys, log_p.shape[-1], log_p.device)).argmax(dim=-1)
+# --8<-- [end:race]
 
 
 # --8<-- [start:sample]

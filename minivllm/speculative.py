@@ -47,15 +47,14 @@ COPYING_PROMPT = ("Repeat the first two sentences of this text word for word: A 
 def draw(p: torch.Tensor, seed: int, position: int) -> int:
     """The token a sampled request takes at output position `position`, from distribution p.
 
-    The Gumbel-max trick: argmax(log p + g) with g drawn from a Gumbel distribution is an exact
-    sample of p. Here g is made from the request's seed and the position alone, never from a
-    stream that every draw advances, so the token at a position does not depend on how many
-    guesses came before it, or on who else shared the step. A drafter that draws its guess with
-    the same g from its own q agrees with the model wherever q is close to p.
+    The engine's one rule for a drawn token (`sampling.race`, as `output.sample` draws it):
+    the Gumbel-max race with noise made from the request's seed and the position alone, never
+    from a stream that every draw advances, so the token at a position does not depend on how
+    many guesses came before it, or on who else shared the step: a sampled answer with
+    speculation is the answer without it. A drafter that draws its guess with the same noise
+    from its own q agrees with the model wherever q is close to p.
     """
-    generator = torch.Generator(device=p.device).manual_seed(hash((seed, position)) & (2**63 - 1))
-    u = torch.rand(p.shape, generator=generator, device=p.device).clamp_min(torch.finfo(torch.float32).tiny)
-    return int((p.log() - (-u.log()).log()).argmax())     # p = 0 (top-k, top-p, a grammar): log p = -inf
+    return int(sampling.race(p.log().unsqueeze(0), [sampling.noise_key(seed, 0, position)])[0])
 # --8<-- [end:draw]
 
 
@@ -234,18 +233,9 @@ class Speculator(ModelRunner):
 
     def __init__(self, runner: ModelRunner, name: str, proposer, num_speculative_tokens: int):
         self.runner, self.name, self.proposer, self.k = runner, name, proposer, num_speculative_tokens
-        self.seeds: dict[int, int] = {}                    # request id -> seed of its draws
         self.kept: dict[int, tuple[int, int, int]] = {}    # id(request) -> (outputs before, guesses made, kept)
         self.misses: dict[int, int] = {}                   # request id -> verifications in a row that kept nothing
         self.resting: dict[int, int] = {}                  # request id -> decode steps left without guesses
-
-    def seed(self, r: Request) -> int:
-        """The request's own seed; an unseeded request gets one from torch's global stream, once."""
-        if r.params.seed is not None:
-            return r.params.seed
-        if r.id not in self.seeds:
-            self.seeds[r.id] = int(torch.randint(2**62, ()))
-        return self.seeds[r.id]
 
     def propose(self, work, max_num_batched_tokens: int) -> None:
         """Guesses for the requests of a scheduled step that decode, from what the step's token
@@ -260,7 +250,7 @@ class Speculator(ModelRunner):
             for i, want in enumerate(wants):
                 if spare and ks[i] < want:
                     ks[i], spare = ks[i] + 1, spare - 1
-        self.proposer.propose(decoding, ks, [self.seed(r) for r in decoding], max_num_batched_tokens)
+        self.proposer.propose(decoding, ks, [r.seed for r in decoding], max_num_batched_tokens)
 
     def rest(self, r: Request) -> bool:
         """Whether r sits out this step's guessing (one step of its rest taken)."""
@@ -276,13 +266,13 @@ class Speculator(ModelRunner):
         num_logits = [1 + len(r.draft_ids) if ok else 1 for r, ok in zip(requests, ready)]
         logits = self.runner.forward(requests, starts, lengths, places, num_logits).split(num_logits)
         runs: list[list[int] | None] = [None] * len(requests)
-        plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids and r.params.is_greedy]
+        plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids]   # the same draw either way
         for i, token in zip(plain, sample(torch.cat([logits[i] for i in plain]), [requests[i] for i in plain])
                             if plain else []):
             runs[i] = [token]
         for i, r in enumerate(requests):   # guesses to check, or a sampled token: drawn by position
             if ready[i] and i not in plain:
-                runs[i], kept = accept_guesses(logits[i], r, None if r.params.is_greedy else self.seed(r))
+                runs[i], kept = accept_guesses(logits[i], r, r.seed)
                 if r.logprobs is not None:   # one entry per kept token, from the model's own logits
                     r.logprobs.extend(sampling.token_logprobs(logits[i][:len(runs[i])], runs[i],
                                                               [r.params.logprobs] * len(runs[i])))
@@ -304,7 +294,7 @@ class Speculator(ModelRunner):
                     self.misses[r.id], self.resting[r.id] = misses, min(2 ** max(misses - 1, 0) - 1, MAX_REST)
 
     def release(self, request: Request) -> None:
-        for memory in (self.seeds, self.misses, self.resting):
+        for memory in (self.misses, self.resting):
             memory.pop(request.id, None)
         self.proposer.release(request)
         self.runner.release(request)

@@ -26,9 +26,8 @@ from minivllm.scheduler import ScheduledBatch, Scheduler
 
 # ---------------------------------------------------------------- the scheduler, without a model
 def fake_request(rid: int, prompt_len: int, budget: int) -> Request:
-    """Chapter 2's Request with no text side (no detokenizer, no generator): the scheduler needs none."""
-    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(), budget, detok=None,
-                   generator=None)
+    """Chapter 2's Request with no text side (no detokenizer): the scheduler needs none."""
+    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(), budget, detok=None)
 
 
 def fake_step(s: Scheduler, everyone: list[Request]) -> ScheduledBatch:

@@ -117,7 +117,8 @@ def test_sampling_draws_follow_the_filtered_distribution(tiny_loop):
     row = torch.tensor([logits])
     n = 20_000
     counts: dict[int, int] = {}
-    for _ in range(n):
+    for seed in range(n):                   # a draw is a function of (seed, position): vary the seed
+        request.seed = seed
         (token,) = sample(row, [request])   # the engines' own sampling path
         counts[token] = counts.get(token, 0) + 1
     assert set(counts) <= set(expected)             # nothing outside the top-k / top-p set

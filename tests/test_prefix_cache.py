@@ -287,7 +287,7 @@ def test_admission_counts_the_blocks_a_prompt_finds_cached():
     s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
 
     def request(rid, prompt):
-        return Request(rid, prompt, GREEDY, 2, detok=None, generator=None)
+        return Request(rid, prompt, GREEDY, 2, detok=None)
 
     stem = list(range(100, 128))                              # 7 blocks
     a, b = request(0, stem + [1, 2]), request(1, stem + [3, 4])

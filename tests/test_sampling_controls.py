@@ -241,9 +241,9 @@ def test_logprobs_end_where_the_text_ends_at_a_stop_string(tiny_model_dir, engin
         engine.close()
 
 
-def test_a_batch_samples_on_the_device_what_chapter_1s_sampler_draws_row_by_row():
-    """The engine's sampler leaves each row's draw on the device and moves the step's tokens in
-    one transfer; with the same seeds it draws exactly what sample_next_token draws, row by row."""
+def test_a_batch_draws_each_row_by_its_seed_and_position_alone():
+    """The engine's sampler races every sampled row of a step at once; each row's token is the
+    one its seed and output position give (speculative decoding's draw), whoever shares the step."""
     from types import SimpleNamespace
 
     import torch
@@ -251,6 +251,7 @@ def test_a_batch_samples_on_the_device_what_chapter_1s_sampler_draws_row_by_row(
     from minivllm import sampling as lib_sampling
     from minivllm.contracts import SamplingParams as Params
     from minivllm.output import sample
+    from minivllm.speculative import draw
 
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 3
@@ -258,13 +259,16 @@ def test_a_batch_samples_on_the_device_what_chapter_1s_sampler_draws_row_by_row(
               Params(temperature=0.7, top_p=0.9, seed=3), Params(temperature=1.0, top_k=5, top_p=0.5, seed=4),
               Params(temperature=0.5, seed=5)]
 
-    def requests():
-        return [SimpleNamespace(params=p, history=None, constraint=None, finish_reason=None, logprobs=None,
-                                generator=lib_sampling.make_generator(p.seed)) for p in params]
+    def requests(order):
+        return [SimpleNamespace(params=params[i], seed=params[i].seed or 0, new_ids=[7] * step, history=None,
+                                constraint=None, finish_reason=None, logprobs=None) for i in order]
 
-    for _ in range(3):   # the generators advance alike over several steps
-        rows, batch = requests(), requests()
-        want = [[lib_sampling.sample_next_token(logits[i], p, r.generator) for i, (p, r) in
-                 enumerate(zip(params, rows))] for _ in range(4)]
-        got = [sample(logits, batch) for _ in range(4)]
-        assert got == want
+    for step in range(3):
+        alone = [sample(logits[i:i + 1], requests([i]))[0] for i in range(6)]
+        assert sample(logits, requests(range(6))) == alone
+        backwards = list(reversed(range(6)))
+        assert sample(logits[backwards], requests(backwards)) == alone[::-1]
+        for i, p in enumerate(params):
+            want = int(logits[i].argmax()) if p.is_greedy else draw(lib_sampling.probabilities(logits[i], p),
+                                                                    p.seed, step)
+            assert alone[i] == want

@@ -103,8 +103,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup([4, 4, 4, 4], 2) == [4]                              # never past the end
 
 
-def request(params, drafts, generator=None, history=None):
-    r = Request(0, [1, 2], params, 100, detok=None, generator=generator, history=history)
+def request(params, drafts, seed=0, history=None):
+    r = Request(0, [1, 2], params, 100, detok=None, seed=seed, history=history)
     r.draft_ids = list(drafts)
     return r
 
