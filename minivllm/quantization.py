@@ -52,7 +52,7 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     scale = ((hi - lo) / 15).clamp(min=1e-6).to(torch.bfloat16)
     zero = (lo + 8 * scale.float()).to(torch.bfloat16)
     q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scale, zero
+    return q.to(torch.uint8).reshape(n, k).contiguous(), scale, zero   # row-major codes, whatever w's layout
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -168,6 +168,12 @@ def inner_k_tiles(k: int) -> int:
     raise ValueError(f"CUDA's int4 kernel needs a multiple of 32 inputs, the layer has {k}")
 
 
+def pack_pairs(q: torch.Tensor) -> torch.Tensor:
+    """[n, k] codes 0..15 -> [n, k / 2] bytes, two codes each, row-major: CUDA's packer refuses
+    anything but a contiguous tensor, and the model keeps its weights input-major (column-major)."""
+    return (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()
+
+
 class Int4Weight(QuantizedWeight):
     """Group-wise int4. The fast path keeps only the kernel's packed copy (two codes per
     byte, in the tile order the kernel walks) and scale/zero as one [groups, out, 2] tensor."""
@@ -185,8 +191,7 @@ class Int4Weight(QuantizedWeight):
         if w.device.type == "cpu":   # the CPU kernel packs from one int32 code per weight
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         else:   # CUDA's tinygemm (not run here: no GPU): two codes per byte first
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(self.shape[1]))
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pack_pairs(q), inner_k_tiles(self.shape[1]))
         del self.scale, self.zero    # they live on in scale_zero
 
     def tensors(self):

@@ -15,7 +15,7 @@ from minivllm.contracts import SamplingParams
 from minivllm.model import LlamaModel
 from minivllm.model_runner import load_model
 from minivllm.quantization import (GROUP_SIZES, HalfWeight, Int4Weight, Int8Weight, W8A8Weight, WeightFormat,
-                                   dequantize_int4, dequantize_int8, format_name_of, inner_k_tiles, quantize,
+                                   dequantize_int4, dequantize_int8, format_name_of, inner_k_tiles, pack_pairs, quantize,
                                    quantize_int4, quantize_int8)
 
 engine16 = load_script("16_quantization_engine")
@@ -118,6 +118,21 @@ def test_cuda_int4_packing_fits_the_inner_k_tiles_to_the_layer():
         packed = Int4Weight(torch.empty(n, k, device="meta"), 32).packed
         tiles = packed.shape[3] * 2                 # [n / 8, k / (tiles * 16), 32, tiles / 2]
         assert packed.shape[0] * 8 == n and packed.shape[1] * tiles * 16 == k
+
+
+def test_cuda_int4_packing_reads_the_models_own_layout():
+    """The model keeps its layers input-major (column-major); CUDA's packer requires a contiguous
+    uint8 tensor of [n, k / 2] code pairs. Packed from the model's own layout, in float32 and
+    bf16 (a GPU's dtype), the pairs are what the kernel requires, and decode back to the codes."""
+    from minivllm.weights import input_major
+
+    for dtype in (torch.float32, torch.bfloat16):
+        w = input_major(torch.randn(96, 64).to(dtype))
+        assert not w.is_contiguous()
+        q, _, _ = quantize_int4(w, 32)
+        pairs = pack_pairs(q)
+        assert pairs.is_contiguous() and pairs.dtype == torch.uint8 and pairs.shape == (96, 32)
+        assert torch.equal(torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(96, 64), q)
 
 
 def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model_dir):
