@@ -15,6 +15,7 @@ a graph, which is what this script shows on a machine without a GPU.
 
     python 19_gpu.py                     # the bucket table, one padded step's buffers, the kernel
     python 19_gpu.py --device cuda       # the same, then a decode step's time, eager vs graphs
+    python 19_gpu.py --check             # what must hold before a GPU timing means anything
 """
 
 from __future__ import annotations
@@ -22,19 +23,27 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
 from kit import cli
+from minivllm import LLM
+from minivllm.contracts import SamplingParams
 from minivllm.cuda_graphs import CUDAGraphRunner, bucket_for, buckets
 from minivllm.kv_cache import KVPool
+from minivllm.model import ModelConfig
 from minivllm.model_files import pick_device, resolve_model
 from minivllm.model_runner import ModelRunner, load_model
+from minivllm.output import sample_on_device
 from minivllm.paged_attention import paged_decode, reference_decode
 
 engine04 = importlib.import_module("04_engine")
+# Two computations of the same numbers agree to about the format's rounding: bf16 keeps 8 bits
+# of mantissa (a relative step of 2**-8), fp16 11, float32 24 (a kernel sums in another order).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 # --8<-- [start:static-cache]
@@ -106,14 +115,14 @@ def show_padded_step(model, prompts: list[list[int]]) -> None:
     print(f"  next tokens {logits.argmax(-1).tolist()}: {'the same as' if same else 'NOT the same as'} the plain "
           f"runner's; max |logits difference| {float((logits - expected).abs().max()):.1e}")
     kept = graphs.scratch_block * 16    # the slots of every block but the scratch block
-    untouched = all(torch.allclose(a[:kept], c[:kept], atol=1e-5) for a, c in zip(pools[0].k + pools[0].v,
-                                                                                pools[1].k + pools[1].v))
+    untouched = all(torch.allclose(a[:kept], c[:kept], rtol=TOLERANCE[model.dtype], atol=TOLERANCE[model.dtype])
+                    for a, c in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v))
     print(f"  every block but the scratch block holds what the plain runner wrote: {untouched}")
 # --8<-- [end:padded-step]
 
 
 # --8<-- [start:kernel-check]
-def check_kernel(config, device, dtype) -> None:
+def check_kernel(config, device, dtype) -> float:
     """The Triton kernel against Chapter 7's gather + SDPA, on this model's heads, 8 ragged rows
     in shuffled 16-token blocks (on the CPU, Triton's interpreter runs it)."""
     lens = [1, 15, 16, 17, 100, 257, 31, 64]
@@ -128,7 +137,9 @@ def check_kernel(config, device, dtype) -> None:
     out = paged_decode(q, pool.k[0], pool.v[0], tables, context_lens, 16)
     error = float((out.float() - reference_decode(q, pool, 0, tables, context_lens).float()).abs().max())
     print(f"\n[paged kernel]  {config.num_heads} query heads over {config.num_kv_heads} KV heads, head_dim "
-          f"{config.head_dim}, {dtype}, contexts {lens}: max |kernel - gather + SDPA| = {error:.1e}")
+          f"{config.head_dim}, {dtype}, contexts {lens}: max |kernel - gather + SDPA| = {error:.1e} "
+          f"({'within' if error <= TOLERANCE[dtype] else 'BEYOND'} {dtype}'s tolerance {TOLERANCE[dtype]:.0e})")
+    return error
 # --8<-- [end:kernel-check]
 
 
@@ -161,16 +172,70 @@ def time_decode(model, max_num_seqs: int, context: int, repeats: int) -> None:
 # --8<-- [end:timing]
 
 
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# --8<-- [start:check]
+def run_checks(folder, device) -> bool:
+    """`--check`: what must hold before any GPU timing means anything. On the CPU it is a dry
+    run of the same steps (graphs take their padded path uncaptured, Triton interprets)."""
+    config = ModelConfig.from_folder(folder)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32,)
+    results = [(f"kernel vs gather + SDPA, {dtype}", check_kernel(config, device, dtype) <= TOLERANCE[dtype])
+               for dtype in dtypes]
+    prompts = ["The capital of France is", "Once upon a time,", "1, 2, 3, 4, 5,"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def tokens(**options) -> tuple[list, list]:
+        llm = LLM(str(folder), device=str(device), dtype="float32", **options)
+        try:
+            batch = [r.output_ids for r in llm.generate_batch(prompts, 12, greedy)]
+            return batch, [llm.generate(p, 12, greedy).output_ids for p in prompts]
+        finally:
+            llm.close()
+    eager, _ = tokens(enforce_eager=True)
+    graphs, _ = tokens(enforce_eager=False)
+    results.append(("greedy tokens, CUDA graphs == eager (float32)", graphs == eager))
+    for quant in ("int8", "int4", "w8a8"):   # their kernels round activations to bf16, so a batch's
+        batch, alone = tokens(quant=quant)    # sums may part from one row's: agreement, not identity
+        agree = sum(common_prefix(a, b) for a, b in zip(batch, alone)) / sum(map(len, alone))
+        results.append((f"{quant} loads; batch and one by one agree on {agree:.0%} of greedy tokens (>= 75 %)",
+                        agree >= 0.75))
+    if device.type == "cuda":   # the sampler never waits for the device before its one transfer
+        logits = torch.randn(32, config.vocab_size, device=device)
+        rows = [SimpleNamespace(params=SamplingParams(temperature=0.8, top_p=0.9), seed=i, new_ids=[], history=None,
+                                constraint=None) for i in range(32)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sample_on_device(logits, rows)
+            results.append(("sampler with no device sync (32 sampled rows)", True))
+        except RuntimeError as exc:
+            results.append((f"sampler with no device sync: {exc}", False))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"\n[check]  {device}, torch {torch.__version__}")
+    for name, ok in results:
+        print(f"  {'ok  ' if ok else 'FAIL'}  {name}")
+    return all(ok for _, ok in results)
+# --8<-- [end:check]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Chapter 15: CUDA graphs and a paged kernel for decode")
     cli.add_model_flags(parser, threads=True)
     parser.add_argument("--max-num-seqs", type=cli.integer(1, 512), default=32, help="the largest bucket")
     parser.add_argument("--context", type=cli.integer(1, 4096), default=128, help="CUDA timing: tokens a row")
     parser.add_argument("--repeats", type=cli.integer(1, 10000), default=50, help="CUDA timing: steps timed")
+    parser.add_argument("--check", action="store_true",
+                        help="run the checks a first GPU run needs (kernel by dtype, graphs vs eager, weight "
+                             "formats, the sampler's syncs); exit 1 if one fails. On the CPU: a dry run")
     args = parser.parse_args()
     device = pick_device(args.device)
     if device.type != "cuda":   # Triton runs its kernels on the CPU only through its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.check:
+        sys.exit(0 if run_checks(resolve_model(args.model), device) else 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = resolve_model(args.model)
     model = load_model(folder, dtype, device)

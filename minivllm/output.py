@@ -76,7 +76,22 @@ class Request:
 
 # --8<-- [start:sample]
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """One token id per row: the argmax for greedy rows, the Gumbel-max race for sampled ones.
+    """One token id per row (`sample_on_device`), moved to the host in one transfer, with the
+    log-probabilities that requests asked for."""
+    tokens = sample_on_device(logits, requests).tolist()   # the step's one transfer
+    asking = [i for i, r in enumerate(requests) if r.logprobs is not None and r.finish_reason is None]
+    if asking:
+        entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
+                                          [requests[i].params.logprobs for i in asking])
+        for i, entry in zip(asking, entries):
+            requests[i].logprobs.append(entry)
+    return tokens
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The step's tokens, left on the device: the argmax for greedy rows, the Gumbel-max race
+    for sampled ones, with no wait for the device (`19_gpu.py --check` runs it under CUDA's
+    sync debug mode).
 
     Bias and penalties are applied to the whole batch first; log-probabilities are
     read from the logits as the model gave them. A sampled row's noise is keyed on its seed
@@ -91,14 +106,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         log_p = torch.stack([sampling.probabilities(adjusted[i], requests[i].params) for i in drawn]).log()
         index = torch.tensor(drawn).to(chosen.device, non_blocking=True)
         chosen = chosen.index_copy(0, index, sampling.race(log_p, [draw_key(requests[i]) for i in drawn]))
-    tokens = chosen.tolist()   # the step's one transfer
-    asking = [i for i, r in enumerate(requests) if r.logprobs is not None and r.finish_reason is None]
-    if asking:
-        entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
-                                          [requests[i].params.logprobs for i in asking])
-        for i, entry in zip(asking, entries):
-            requests[i].logprobs.append(entry)
-    return tokens
+    return chosen
 # --8<-- [end:sample]
 
 
