@@ -154,6 +154,26 @@ class LLM(LLMEngine):
         return self.lora.runner(weights, pool) if self.lora else ModelRunner(weights, pool)
     # --8<-- [end:init]
 
+    def capabilities(self):
+        return super().capabilities().replace(serves_adapters=self.lora is not None)
+
+    # --8<-- [start:adapters]
+    # vLLM's names for the adapters an engine holds (Chapter 17): a server lists and picks them by name.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (ValueError with the reason); later requests find it loaded."""
+        if self.lora is None:
+            raise ValueError("add_lora needs an engine built with enable_lora=True")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: requests already running with it finish with it."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.adapters() if self.lora is not None else []
+    # --8<-- [end:adapters]
+
     @property
     def speculator(self) -> Speculator | None:
         """Chapter 10's runner, where speculation is on: its guesser, its k, its counts."""

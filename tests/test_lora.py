@@ -164,3 +164,37 @@ def test_a_step_plan_groups_rows_by_slot_and_skips_the_base():
     assert plan.slots.tolist() == [1, 0]
     assert plan.gather.tolist() == [[0, 1, 4, 5, 6], [3, 0, 0, 0, 0]]
     assert plan.tokens.tolist() == [0, 1, 4, 5, 6, 3]
+
+
+def test_the_server_serves_an_adapter_as_a_model_name(engine, adapters, reference_prompts):
+    import asyncio
+
+    import httpx
+
+    from conftest import load_script
+
+    server = load_script("05_server")
+    server.add_lora_modules(engine, [f"tuned={adapters['all7'][0]}"])
+    app = server.make_app(engine, model_name="base")
+    expected = engine.generate(reference_prompts[0], GREEDY, lora_request=next(
+        a for a in engine.list_loras() if a.lora_name == "tuned")).output_ids
+
+    async def calls():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            models = await client.get("/v1/models")
+            body = {"prompt": reference_prompts[0], "max_tokens": 10, "ignore_eos": True, "logprobs": 0}
+            tuned = await client.post("/v1/completions", json={**body, "model": "tuned"})
+            base = await client.post("/v1/completions", json={**body, "model": "base"})
+            unknown = await client.post("/v1/completions", json={**body, "model": "nope"})
+            return models, tuned, base, unknown
+
+    models, tuned, base, unknown = asyncio.run(calls())
+    ids = [m["id"] for m in models.json()["data"]]
+    assert ids[0] == "base" and "tuned" in ids
+    assert tuned.status_code == 200, tuned.text
+    assert tuned.json()["choices"][0]["logprobs"]["tokens"] == [engine.tokenizer.decode([t]) for t in expected]
+    assert base.json()["choices"][0]["text"] != tuned.json()["choices"][0]["text"]
+    assert unknown.status_code == 404
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        server.add_lora_modules(engine, ["no-equals-sign"])
