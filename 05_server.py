@@ -27,7 +27,8 @@ capped by what is left of the context window. Like vLLM we also accept `top_k`,
 `repetition_penalty` and `ignore_eos`. Logit bias, presence/frequency penalties and
 logprobs are honoured, and so are response_format, tools and vLLM's guided_* fields (Chapter 11:
 the reply is constrained to the format). n > 1 and the like are a 400, never ignored.
-One server, one model: `model` may be omitted or name it; any other is a 404.
+One server, one model: `model` may be omitted or name it, or name one of the LoRA adapters the
+engine serves (Chapter 17, `--enable-lora --lora-modules name=path`); any other is a 404.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class OpenAIServer:
 
     # --8<-- [start:chat-endpoint]
     async def chat_completions(self, req: ChatRequest, request: Request):
-        api.check_request(req, self.model_name)
+        lora = self.adapter_for(req)
         messages = api.chat_messages(req.messages)
         params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
         tools = params.structured is not None and params.structured[0] == "structural_tag"   # Chapter 11
@@ -102,7 +103,7 @@ class OpenAIServer:
                 prompt = api.chat_ids(self.engine.tokenizer, messages, render_chat)
             else:               # an engine that takes only text tokenises the template's text itself
                 prompt = render_chat(self.engine.tokenizer, messages)
-            return self.prepare([prompt], limit, field, params)
+            return self.prepare([prompt], limit, field, params, lora)
 
         jobs = await run_in_threadpool(prepare_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -117,13 +118,13 @@ class OpenAIServer:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts or not all(prompts):
             raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
-        api.check_request(req, self.model_name)
+        lora = self.adapter_for(req)
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt", param="prompt")
         params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
         for prompt in prompts:
             self.check_size([prompt], "prompt")
-        jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params)
+        jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params, lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self.stream(jobs[0], params, req, request, rid, created)
@@ -141,7 +142,15 @@ class OpenAIServer:
                                 f"is {self.context_length} tokens, which this server takes to be at most {most} "
                                 f"characters ({api.MAX_CHARS_PER_TOKEN} a token)", param=field)
 
-    def prepare(self, prompts: list, requested: int | None, field: str, params: SamplingParams) -> list:
+    def adapter_for(self, req):
+        """The request checked (api.check_request), and the LoRA adapter its `model` names (Chapter 17),
+        None for the base model: every adapter the engine holds is served to every key."""
+        adapters = {a.lora_name: a for a in self.engine.list_loras()} if self.can.serves_adapters else {}
+        api.check_request(req, self.model_name, tuple(adapters))
+        return adapters.get(req.model) if req.model != self.model_name else None
+
+    def prepare(self, prompts: list, requested: int | None, field: str, params: SamplingParams,
+                lora=None) -> list:
         """Each prompt (text, or a conversation's token ids) as the engine will take it, after every
         check that can refuse it: a bad prompt refuses a whole list before any of it runs. In a worker
         thread: tokenizers are slow.
@@ -156,7 +165,9 @@ class OpenAIServer:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
             if self.batching:
-                return [self.engine.new_request(i, requested or self.default_budget(len(i)), params) for i in ids]
+                adapter = {"lora_request": lora} if lora is not None else {}   # Chapter 17
+                return [self.engine.new_request(i, requested or self.default_budget(len(i)), params, **adapter)
+                        for i in ids]
             takes_ids = self.can.accepts_token_ids   # then tokenised once, here
             jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
             if len(jobs) > 1 and self.can.checks_prompts:   # Chapter 1's checks: text, length, window
@@ -313,8 +324,12 @@ class OpenAIServer:
 
     # --8<-- [start:small-endpoints]
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "llm-engine-companion"}]}
+        """The base model, then each LoRA adapter the engine holds (Chapter 17), its parent the base."""
+        adapters = self.engine.list_loras() if self.can.serves_adapters else []
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "llm-engine-companion"},
+            *({"id": a.lora_name, "object": "model", "created": 0, "owned_by": "llm-engine-companion",
+               "parent": self.model_name, "root": str(a.lora_path)} for a in adapters)]}
 
     async def health(self):
         return {"status": "ok"}
@@ -358,7 +373,23 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     cli.add_engine_options(parser)   # --quant, --prefix-caching, --kv-memory, ...: the engine's keywords
     server_ops.add_arguments(parser)
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters served by name (vLLM's flag; needs --enable-lora)")
     return parser
+
+
+def add_lora_modules(engine, modules: list[str]) -> None:
+    """Chapter 17: each NAME=PATH read and checked now, named as a model a request may pick."""
+    from minivllm.lora import LoRARequest
+
+    if modules and not engine.capabilities().serves_adapters:
+        raise ValueError("--lora-modules needs an engine that serves adapters: minivllm:LLM with --enable-lora")
+    first = max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
+    for i, module in enumerate(modules, start=first):
+        name, sep, path = module.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
+        engine.add_lora(LoRARequest(name, i, path))
 
 
 def main() -> None:
@@ -369,6 +400,7 @@ def main() -> None:
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
         engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
+        add_lora_modules(engine, args.lora_modules)
     except ValueError as exc:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class

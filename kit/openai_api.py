@@ -111,14 +111,15 @@ UNSUPPORTED = {
 MESSAGE_UNSUPPORTED = {"name": None, "function_call": None, "audio": None}
 
 
-def check_request(req: SamplingFields, model_name: str) -> None:
-    """Refuse what the request asks for that this server would otherwise ignore, and other models."""
+def check_request(req: SamplingFields, model_name: str, adapters: tuple[str, ...] = ()) -> None:
+    """Refuse what the request asks for that this server would otherwise ignore, and other models
+    (the served one, or one of its LoRA adapters by name, Chapter 17)."""
     refuse_unsupported(req.model_extra or {})
     if isinstance(req, CompletionRequest):
         refuse_unsupported(req.model_extra or {}, NOT_FOR_COMPLETIONS)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if req.model is not None and req.model != model_name:   # one server, one model, as at OpenAI
+    if req.model is not None and req.model != model_name and req.model not in adapters:   # one base model
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`.",
                        param="model", code="model_not_found")
 

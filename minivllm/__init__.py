@@ -11,5 +11,6 @@ package loads torch and transformers' tokenizers, never a web framework.
 
 from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
 from minivllm.llm import LLM
+from minivllm.lora import LoRARequest
 
-__all__ = ["LLM", "BaseOfflineEngine", "GenerateResult", "RequestMetrics", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "BaseOfflineEngine", "GenerateResult", "RequestMetrics", "SamplingParams"]

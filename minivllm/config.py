@@ -27,6 +27,7 @@ MAX_TENSOR_PARALLEL = 64                                        # Chapter 14: pr
 DEFAULT_KV_MEMORY = 512 << 20                                   # 728 blocks of 16: 11,648 tokens of the default model
 DEFAULT_BLOCK_SIZE = 16                                         # vLLM's default
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9                            # Chapter 15: vLLM's default fraction of a GPU
+MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 64, 512, 1024          # Chapter 17: adapters in device slots, in host memory
 # --8<-- [end:constants]
 
 
@@ -119,6 +120,13 @@ class EngineConfig:
     gpu_memory_utilization: float = option(
         DEFAULT_GPU_MEMORY_UTILIZATION, "fraction", "the share of the GPU's memory the engine may use, weights, "
         "KV pool and a step's activations together, when kv_memory is not given", 15)
+    enable_lora: bool = option(False, "flag", "serve LoRA adapters beside the base weights, per request", 17)
+    max_loras: int = option(1, "int", "adapters in one step, at most: the device slots", 17, low=1, high=MAX_LORAS)
+    max_lora_rank: int = option(16, "int", "the highest adapter rank accepted (the slots' width)", 17,
+                                low=1, high=MAX_LORA_RANK)
+    max_cpu_loras: int | None = option(
+        None, "int", "adapters held in host memory, at most (default: max_loras)", 17, low=1, high=MAX_CPU_LORAS,
+        none=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -126,7 +134,14 @@ class EngineConfig:
         check_budgets(self.max_num_seqs, self.max_num_batched_tokens)
         if self.draft_model is not None and self.speculative != "draft":
             raise ValueError("draft_model needs speculative='draft'")
-        eager_only = [name for name in ("compile", "speculative", "tensor_parallel_size") if getattr(self, name)]
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        lora_refused = [name for name in ("compile", "speculative", "tensor_parallel_size") if getattr(self, name)]
+        if self.enable_lora and lora_refused:   # Chapter 17: adapters ride the eager forward of one process
+            raise ValueError(f"enable_lora does not combine with {', '.join(lora_refused)} yet: adapters are "
+                             f"applied in the eager forward of one process")
+        eager_only = [name for name in ("compile", "speculative", "tensor_parallel_size", "enable_lora")
+                      if getattr(self, name)]
         if self.enforce_eager is False and eager_only:
             raise ValueError(f"enforce_eager=False (CUDA graphs, Chapter 15) does not combine with "
                              f"{', '.join(eager_only)}: those steps run eagerly")

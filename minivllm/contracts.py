@@ -356,6 +356,8 @@ class EngineCapabilities:
     schedules_itself: bool = False
     max_num_seqs: int | None = None     # sequences in one step: the seats of an engine that schedules itself
     token_capacity: int | None = None   # the most tokens one request can ever hold: its KV pool (None: no pool)
+    # Chapter 17: LoRA adapters served by name (add_lora, list_loras); new_request takes a lora_request.
+    serves_adapters: bool = False
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_size", "max_num_seqs", "token_capacity"):

@@ -11,6 +11,7 @@ where the chapters meet. Each option becomes an object handed to the part that u
     prefix_caching                  the block manager that remembers            (Chapter 8)
     structured output               StructuredOutput, handed to the output processor (Chapter 11)
     enforce_eager                   CUDAGraphs, the model runner's decode steps (Chapter 15)
+    enable_lora, max_loras, ...     LoRA: slots beside the weights, a runner that fills them (Chapter 17)
 
     from minivllm import LLM, SamplingParams
     with LLM(quant="int8", prefix_caching=True) as llm:
@@ -20,6 +21,7 @@ where the chapters meet. Each option becomes an object handed to the part that u
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import torch
@@ -27,11 +29,12 @@ import torch
 from minivllm.block_manager import BlockManager
 from minivllm.compile import Compile
 from minivllm.config import EngineConfig
-from minivllm.contracts import GenerateResult, SamplingParams
+from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
 from minivllm.gpu_memory import kv_memory_left, step_headroom
 from minivllm.kv_cache import KVPool, blocks_in, describe_pool
+from minivllm.lora import LoRA, LoRARequest
 from minivllm.model import ModelConfig
 from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device,
                                   pick_dtype)
@@ -63,7 +66,7 @@ def weight_steps(config: EngineConfig) -> list:
 def decode_graphs(config: EngineConfig, device: torch.device, max_model_len: int) -> CUDAGraphs | None:
     """Chapter 15: decode steps from CUDA graphs, by default wherever there is CUDA (on the CPU
     only when asked, enforce_eager=False: the same padded path, run eagerly)."""
-    eager_only = config.compile or config.speculative or config.tensor_parallel_size is not None
+    eager_only = config.compile or config.speculative or config.tensor_parallel_size is not None or config.enable_lora
     if config.enforce_eager or (config.enforce_eager is None and (device.type != "cuda" or eager_only)):
         return None
     return CUDAGraphs(config.max_num_seqs, max_model_len)
@@ -91,6 +94,8 @@ class LLM(LLMEngine):
                  compile: bool = DEFAULTS.compile, tensor_parallel_size: int | None = DEFAULTS.tensor_parallel_size,
                  enforce_eager: bool | None = DEFAULTS.enforce_eager,
                  gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization,
+                 enable_lora: bool = DEFAULTS.enable_lora, max_loras: int = DEFAULTS.max_loras,
+                 max_lora_rank: int = DEFAULTS.max_lora_rank, max_cpu_loras: int | None = DEFAULTS.max_cpu_loras,
                  structured_output: StructuredOutput | None = None):
         self.config = EngineConfig(   # every option checked, by name: nothing loaded yet
             kv_memory=kv_memory, block_size=block_size, prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
@@ -98,7 +103,9 @@ class LLM(LLMEngine):
             num_speculative_tokens=num_speculative_tokens, draft_model=draft_model, quant=quant,
             group_size=group_size, quant_head=quant_head, compile=compile,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+        self.lora = LoRA(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None   # Chapter 17
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         self.folder = model_folder(model)
@@ -110,7 +117,8 @@ class LLM(LLMEngine):
         usable = runner.kv.num_blocks - (1 if isinstance(runner, CUDAGraphRunner) else 0)
         blocks = (PrefixCachingBlockManager if self.config.prefix_caching else BlockManager)(
             usable, self.config.block_size)
-        scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                              self.config.max_loras if self.lora else None)
         output = OutputProcessor(tokenizer, eos_token_ids(self.folder, tokenizer), runner.model.config.vocab_size,
                                  device, StructuredOutput() if structured_output is None else structured_output)
         if isinstance(runner, TensorParallelRunner) and runner.group:   # a dead worker fails this engine's
@@ -135,14 +143,36 @@ class LLM(LLMEngine):
         if config.tensor_parallel_size is not None:   # every rank loads its shard, then the same steps
             parallel = TensorParallel(config.tensor_parallel_size, self.folder, device)
             return parallel.start(self.folder, dtype, device, num_blocks, config.block_size, weight_steps(config))
-        weights = load_model(self.folder, dtype, device, weight_steps(config))
+        weights = load_model(self.folder, dtype, device, weight_steps(config) + ([self.lora] if self.lora else []))
         if sized_later:
             num_blocks = blocks_in(full, kv_memory_left(device, config.gpu_memory_utilization, step_headroom(
                 full, config.max_num_batched_tokens, config.max_num_seqs, dtype)), config.block_size, dtype)
         pool = KVPool(weights.config, num_blocks, config.block_size, weights.dtype, weights.device)
         graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
-        return graphs.runner(weights, pool) if graphs else ModelRunner(weights, pool)
+        if graphs:
+            return graphs.runner(weights, pool)
+        return self.lora.runner(weights, pool) if self.lora else ModelRunner(weights, pool)
     # --8<-- [end:init]
+
+    def capabilities(self):
+        return super().capabilities().replace(serves_adapters=self.lora is not None)
+
+    # --8<-- [start:adapters]
+    # vLLM's names for the adapters an engine holds (Chapter 17): a server lists and picks them by name.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (ValueError with the reason); later requests find it loaded."""
+        if self.lora is None:
+            raise ValueError("add_lora needs an engine built with enable_lora=True")
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: requests already running with it finish with it."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora.adapters() if self.lora is not None else []
+    # --8<-- [end:adapters]
 
     @property
     def speculator(self) -> Speculator | None:
@@ -160,30 +190,54 @@ class LLM(LLMEngine):
 
     # --8<-- [start:interface]
     def new_request(self, prompt: str | list[int], max_new_tokens: int | None = None,
-                    params: SamplingParams | None = None, arrival: float | None = None) -> Request:
+                    params: SamplingParams | None = None, arrival: float | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """One place for the token budget: max_new_tokens (the book's positional argument), else
-        SamplingParams.max_tokens, else DEFAULT_MAX_TOKENS; both given, the smaller."""
+        SamplingParams.max_tokens, else DEFAULT_MAX_TOKENS; both given, the smaller. A
+        lora_request (Chapter 17) names the adapter its rows apply; None: the base model."""
         if max_new_tokens is None:
             max_new_tokens = (params.max_tokens if params and params.max_tokens else None) or DEFAULT_MAX_TOKENS
-        return super().new_request(prompt, max_new_tokens, params, arrival)
+        if lora_request is not None and self.lora is None:
+            raise ValueError("lora_request needs an engine built with enable_lora=True")
+        adapter = self.lora.add(lora_request) if lora_request is not None else None   # read once, checked
+        r = super().new_request(prompt, max_new_tokens, params, arrival)
+        if adapter is not None:
+            r.adapter = adapter
+            self.lora.hold(adapter)     # let go when the request leaves (LoRARunner.release)
+        return r
 
     def generate(self, prompt, max_new_tokens: int | SamplingParams | None = None,
-                 params: SamplingParams | None = None):
+                 params: SamplingParams | None = None, lora_request=None):
         """One prompt -> a GenerateResult; a list of prompts -> a list (vLLM's `generate(prompts,
-        sampling_params)` reads the same)."""
+        sampling_params, lora_request=...)` reads the same: one LoRARequest for all, or one each)."""
         if isinstance(max_new_tokens, SamplingParams):
             max_new_tokens, params = None, max_new_tokens
         if isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt):
-            return self.generate_batch(list(prompt), max_new_tokens, params)
-        return self.submit(prompt, max_new_tokens, params).result()
+            return self.generate_batch(list(prompt), max_new_tokens, params, lora_request)
+        if isinstance(lora_request, (list, tuple)):
+            raise ValueError("one prompt takes one lora_request, not a list")
+        return self.submit_all([self.new_request(prompt, max_new_tokens, params, None, lora_request)])[0].result()
 
     def generate_batch(self, prompts: list, max_new_tokens: int | None = None,
-                       params: SamplingParams | None = None) -> list[GenerateResult]:
-        return super().generate_batch(prompts, max_new_tokens, params)
+                       params: SamplingParams | None = None, lora_request=None) -> list[GenerateResult]:
+        if lora_request is None:
+            return super().generate_batch(prompts, max_new_tokens, params)
+        check_prompts(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need 1 or {len(prompts)} lora_requests, got {len(loras)}")
+        t0 = time.perf_counter()
+        streams = self.submit_all([self.new_request(p, max_new_tokens, params, t0, lora)
+                                   for p, lora in zip(prompts, loras)])
+        try:
+            return [s.result() for s in streams]
+        finally:          # one failed, or the caller was interrupted: nothing keeps running
+            for s in streams:
+                s.close()
 
     def generate_stream(self, prompt, max_new_tokens: int | None = None,
-                        params: SamplingParams | None = None) -> Iterator[str | GenerateResult]:
-        return super().generate_stream(prompt, max_new_tokens, params)
+                        params: SamplingParams | None = None, lora_request=None) -> Iterator[str | GenerateResult]:
+        yield from self.submit_all([self.new_request(prompt, max_new_tokens, params, None, lora_request)])[0]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              max_new_tokens: int | None = None):

@@ -56,6 +56,15 @@ class Request:
     num_drafted: int = 0                          # guesses verified so far
     num_accepted: int = 0                         # ... and kept
     constraint: object = None                     # Chapter 11: a grammar its output must follow
+    adapter: object = None                        # Chapter 17: its LoRA adapter (None: the base weights)
+
+    @property
+    def cache_salt(self):
+        """What its cached prefix blocks are keyed by besides the tokens: the client's salt and, with
+        an adapter (Chapter 17), that adapter's load: the same text under another adapter shares nothing."""
+        if self.adapter is None:
+            return self.params.cache_salt
+        return ("lora", self.adapter.key, self.params.cache_salt)
 
     @property
     def n_prompt(self) -> int:

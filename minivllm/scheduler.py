@@ -48,19 +48,28 @@ class ScheduledBatch:
 class Scheduler:
     """Waiting and running queues over a BlockManager, under a token budget and a sequence cap."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 256,
+                 max_adapters: int | None = None):
         check_budgets(max_num_seqs, max_num_batched_tokens)   # the options' own rows (minivllm/config.py)
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []            # in admission order: the newest is last
         self.num_preemptions = 0
+        self.max_adapters = max_adapters            # Chapter 17: distinct LoRA adapters running at once
 
     def add(self, request: Request) -> None:
         if self.blocks.blocks_for(request.n_prompt + request.budget) > self.blocks.num_blocks:
             raise ValueError(f"request {request.id} could never fit in the KV pool of "
                              f"{self.blocks.num_blocks} blocks")
         self.waiting.append(request)
+
+    def adapter_fits(self, r: Request) -> bool:
+        """Chapter 17: r may run beside the running requests' adapters (max_loras device slots)."""
+        if self.max_adapters is None or r.adapter is None:
+            return True
+        held = {q.adapter.key for q in self.running if q.adapter is not None}
+        return r.adapter.key in held or len(held) < self.max_adapters
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,7 +96,8 @@ class Scheduler:
         # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
                and self.blocks.can_allocate_prompt(self.waiting[0].tokens(0, self.waiting[0].num_tokens),
-                                                   self.waiting[0].params.cache_salt)):
+                                                   self.waiting[0].cache_salt)
+               and self.adapter_fits(self.waiting[0])):
             r = self.waiting.popleft()
             r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
             r.admitted = r.admitted or time.perf_counter()
@@ -122,7 +132,7 @@ class Scheduler:
         """Blocks for all of r's known tokens; returns how many of them already have their K/V.
         Chapter 7's block manager has none to offer; Chapter 8's prefix cache shares a cached prefix
         (a preempted request re-matches what it computed before, if it is still cached)."""
-        cached = self.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens), r.params.cache_salt)
+        cached = self.blocks.allocate_prompt(r.id, r.tokens(0, r.num_tokens), r.cache_salt)
         if r.admitted is None and self.blocks.caches_prefixes:
             r.cached_tokens = cached
         return cached

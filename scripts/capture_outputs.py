@@ -238,6 +238,7 @@ CAPTURES = [
     Capture("18_tensor_parallel_n1", ["python 18_tensor_parallel.py --max-new-tokens 32 --threads 1"], timeout_s=900),
     Capture("check_stacking", ["python scripts/check_stacking.py --tokens 32"], timeout_s=1800),
     Capture("19_gpu", ["python 19_gpu.py --threads 1"], needs="triton"),
+    Capture("21_adapters", ["python 21_adapters.py --steps 32 --measure"], timeout_s=1800),
     Capture("18_tensor_parallel_refused", ["python 18_tensor_parallel.py --tensor-parallel-size 2 2>&1 || true"],
             timeout_s=300),
     Capture("18_tensor_parallel_scaling", [

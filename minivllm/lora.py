@@ -1,0 +1,361 @@
+"""Chapter 17: one base, many adapters. LoRA served per request, side by side in one batch.
+
+A LoRA adapter changes a weight W by a low-rank product, W + scale · B·A (A: rank x in,
+B: out x rank), and is trained and saved by `peft` as adapter_config.json beside
+adapter_model.safetensors. Merged into W it would be one more copy of the model; kept beside
+it, every row of a batch can take its own adapter in the same forward pass:
+
+    y = x·Wᵀ                        the base, for every row, one matmul as before
+    y += (x·Aᵀ)·Bᵀ · scale          shrink to rank r, expand back: only rows with an adapter
+
+The rows of a step are grouped by adapter (Punica's SGMV, S-LoRA's idea): one gather of those
+rows, one batched shrink and one batched expand over the step's adapters, one add back. The
+model's fused projections stay fused: an adapter on q alone writes q's slice of qkv's output.
+At most `max_loras` adapters sit in the device slots that the step reads; more wait in host
+memory (`max_cpu_loras`) and take the least recently used slot when a step needs them.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from minivllm.config import check_option
+from minivllm.model import LlamaModel, ModelConfig
+from minivllm.model_runner import ModelRunner
+from minivllm.weights import matmul
+
+MAX_NAME_CHARS = 256
+# peft's module name -> (our fused weight, which part of its output)
+PACKED = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+          "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
+TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+# --8<-- [start:request]
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's handle on an adapter: a name, an id >= 1 that identifies it, the folder peft saved."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not 0 < len(self.lora_name) <= MAX_NAME_CHARS:
+            raise ValueError(f"lora_name must be 1 to {MAX_NAME_CHARS} characters, got {self.lora_name!r:.80}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, (str, Path)) or not str(self.lora_path):
+            raise ValueError(f"lora_path must be a folder, got {self.lora_path!r:.80}")
+# --8<-- [end:request]
+
+
+def module_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each of peft's seven target modules in this model."""
+    h, q, kv, f = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+
+def pattern_value(patterns: dict, name: str, default):
+    """peft's rank_pattern/alpha_pattern: the first key that names this module (a suffix of its
+    full name, as peft matches it), else the default."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?{key}$", name):
+            return value
+    return default
+
+
+# --8<-- [start:load]
+REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform",
+           "fan_in_fan_out": "fan_in_fan_out", "layers_pattern": "layers_pattern"}
+
+
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> dict:
+    """peft's files -> {(layer, module): (A [r, in], B·scale [out, r])}, every tensor checked
+    against the model; what cannot be applied beside the base weights is refused, with why."""
+    folder = Path(path)
+    cfg_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"{folder} is not a peft adapter: adapter_config.json and adapter_model.safetensors needed")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{folder}: peft_type {cfg.get('peft_type')!r} is not LoRA")
+    refused = [why for key, why in REFUSED.items() if cfg.get(key)]
+    if cfg.get("bias", "none") != "none":
+        refused.append(f"bias={cfg['bias']!r}")
+    if refused:
+        raise ValueError(f"{folder}: cannot apply {', '.join(refused)} beside the base weights (plain LoRA only)")
+    r0, alpha0, rs = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora"))
+    sizes, tensors, out = module_sizes(config), load_file(weights_file), {}
+    for key in tensors:
+        m = TENSOR_NAME.match(key)
+        if not m or m[2] not in PACKED:
+            raise ValueError(f"{folder}: {key} adapts a module this engine cannot adapt (only the seven "
+                             f"projections of each layer: {', '.join(PACKED)})")
+        layer, module = int(m[1]), m[2]
+        if layer >= config.num_layers:
+            raise ValueError(f"{folder}: {key} names layer {layer}, the model has {config.num_layers}")
+        if m[3] == "B":
+            continue
+        a, b = tensors[key], tensors.get(key[:-len("lora_A.weight")] + "lora_B.weight")
+        name = f"model.layers.{layer}.{m[2]}"
+        r = int(pattern_value(cfg.get("rank_pattern") or {}, name, r0))
+        alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, name, alpha0))
+        fan_in, fan_out = sizes[module]
+        if b is None or a.shape != (r, fan_in) or b.shape != (fan_out, r):
+            raise ValueError(f"{folder}: {name} has A {tuple(a.shape)} and B "
+                             f"{None if b is None else tuple(b.shape)}; this model and r={r} need "
+                             f"{(r, fan_in)} and {(fan_out, r)}")
+        if r > max_rank:
+            raise ValueError(f"{folder}: {name} has rank {r}, above max_lora_rank={max_rank}")
+        scale = alpha / math.sqrt(r) if rs else alpha / r      # rsLoRA keeps a rank-r update's size steady
+        out[(layer, module)] = (a.float(), b.float() * scale)
+    if not out:
+        raise ValueError(f"{folder}: no LoRA weights (target_modules matched nothing?)")
+    return out
+# --8<-- [end:load]
+
+
+@dataclass(eq=False)
+class Adapter:
+    """One adapter in host memory: its weights, its name, and the key its cached prefixes carry."""
+
+    request: LoRARequest
+    weights: dict
+    key: int            # unique per load: a reloaded adapter shares no cached block with its old self
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+
+
+# --8<-- [start:plan]
+@dataclass
+class StepPlan:
+    """Which rows of this step take which slot: computed once a step, read by every layer."""
+
+    slots: torch.Tensor      # [S] the step's slots, one per distinct adapter
+    gather: torch.Tensor     # [S, longest] the flat tokens of each slot's rows, padded with token 0
+    valid: torch.Tensor      # positions in gather.view(-1) that are real tokens
+    tokens: torch.Tensor     # ... and the flat token each of them is
+
+
+def plan_step(row_slots: list[int | None], lengths: list[int], device) -> StepPlan | None:
+    """Group the step's tokens by slot; None when no row has an adapter: the base runs alone."""
+    by_slot: dict[int, list[int]] = collections.defaultdict(list)
+    offsets = [0, *itertools.accumulate(lengths)]
+    for slot, start, end in zip(row_slots, offsets, offsets[1:]):
+        if slot is not None:
+            by_slot[slot].extend(range(start, end))
+    if not by_slot:
+        return None
+    longest = max(map(len, by_slot.values()))
+    gather = [toks + [0] * (longest - len(toks)) for toks in by_slot.values()]
+    valid = [i * longest + j for i, toks in enumerate(by_slot.values()) for j in range(len(toks))]
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return StepPlan(as_tensor(list(by_slot)), as_tensor(gather), as_tensor(valid),
+                    as_tensor([t for toks in by_slot.values() for t in toks]))
+# --8<-- [end:plan]
+
+
+# --8<-- [start:weight]
+class LoRAWeight:
+    """A base weight with the step's adapters beside it: x·Wᵀ, plus, for the rows that have one,
+    their adapter's shrink (A) then expand (B), batched over the step's adapters."""
+
+    def __init__(self, wrapped, slots: LoRA, a: torch.Tensor, b: torch.Tensor):
+        self.wrapped, self.slots = wrapped, slots
+        self.a, self.b = a, b                # [max_loras, parts·rank, in], [max_loras, out, parts·rank]
+
+    def replace(self, wrapped) -> LoRAWeight:
+        return LoRAWeight(wrapped, self.slots, self.a, self.b)
+
+    @property
+    def nbytes(self) -> int:
+        return getattr(self.wrapped, "nbytes", None) or self.wrapped.numel() * self.wrapped.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y, plan = matmul(self.wrapped, x), self.slots.plan
+        if plan is None:                     # no row has an adapter: the base's cost, nothing more
+            return y
+        a, b = self.a[plan.slots], self.b[plan.slots]             # the step's adapters only
+        rows = x[plan.gather].to(a.dtype)                         # [S, longest, in]
+        delta = torch.bmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2))   # shrink, expand
+        return y.index_add_(0, plan.tokens, delta.flatten(0, 1)[plan.valid].to(y.dtype))
+# --8<-- [end:weight]
+
+
+class LoRA:
+    """The adapters an engine serves, as a feature handed to the model (its weights gain the
+    adapters' slots) and to the runner (each step says which rows take which adapter)."""
+
+    name = "lora"
+
+    def __init__(self, max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
+        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
+                            ("max_cpu_loras", max_cpu_loras)):
+            check_option(name, value)      # the bounds of the options table (minivllm/config.py)
+        if max_cpu_loras is not None and max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self.max_loras, self.max_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self.config: ModelConfig | None = None
+        self.plan: StepPlan | None = None
+        self.host: collections.OrderedDict[int, Adapter] = collections.OrderedDict()   # by lora_int_id, LRU order
+        self.in_slot: list[int | None] = [None] * max_loras       # each slot's adapter key
+        self.slot_lru: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(max_loras))
+        self.in_use: collections.Counter = collections.Counter()  # adapter key -> requests holding it
+        self._keys, self._lock = itertools.count(1), threading.Lock()
+        self.num_swaps = 0
+
+    # --8<-- [start:call]
+    def __call__(self, model: LlamaModel) -> LlamaModel:
+        """The model with every layer's four projections wrapped: slots of zeros, filled on demand."""
+        self.config, sizes, w = model.config, module_sizes(model.config), dict(model.w)
+        self.slots = {}
+        for i in range(model.config.num_layers):
+            for fused, parts in FUSED.items():
+                fan_in = sizes[parts[0]][0]
+                fan_out = sum(sizes[p][1] for p in parts)
+                a = torch.zeros(self.max_loras, len(parts) * self.max_rank, fan_in, dtype=model.dtype,
+                                device=model.device)
+                b = torch.zeros(self.max_loras, fan_out, len(parts) * self.max_rank, dtype=model.dtype,
+                                device=model.device)
+                self.slots[(i, fused)] = (a, b)
+                name = f"model.layers.{i}.{fused}"
+                w[name] = LoRAWeight(w[name], self, a, b)
+        return model.with_weights(w)
+    # --8<-- [end:call]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.slots.values() for t in pair)
+
+    # --8<-- [start:add]
+    def add(self, request: LoRARequest) -> Adapter:
+        """The adapter of this request, read from its folder the first time (ValueError if it
+        cannot be applied), then kept in host memory; the least recently used idle one makes room."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        with self._lock:
+            held = self.host.get(request.lora_int_id)
+            if held is not None and held.request != request:
+                raise ValueError(f"lora_int_id {request.lora_int_id} is {held.request.lora_name!r} "
+                                 f"({held.request.lora_path}); remove it before reusing the id")
+            if held is not None:
+                self.host.move_to_end(request.lora_int_id)
+                return held
+        weights = read_adapter(request.lora_path, self.config, self.max_rank)   # outside the lock: disk
+        with self._lock:
+            if request.lora_int_id in self.host:
+                return self.host[request.lora_int_id]
+            if len(self.host) >= self.max_cpu_loras:
+                idle = [i for i, a in self.host.items() if not self.in_use[a.key]]
+                if not idle:
+                    raise ValueError(f"max_cpu_loras={self.max_cpu_loras} adapters are held and all are in use")
+                self.host.pop(idle[0])
+            rank = max(a.shape[0] for a, _ in weights.values())
+            adapter = self.host[request.lora_int_id] = Adapter(request, weights, next(self._keys), rank)
+            return adapter
+    # --8<-- [end:add]
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter: requests already holding it finish with it; False if it was not held."""
+        with self._lock:
+            return self.host.pop(lora_int_id, None) is not None
+
+    def adapters(self) -> list[LoRARequest]:
+        with self._lock:
+            return [a.request for a in self.host.values()]
+
+    def hold(self, adapter: Adapter) -> None:
+        """A request will apply it (the caller's thread): it stays in host memory until let go."""
+        with self._lock:
+            self.in_use[adapter.key] += 1
+
+    def let_go(self, adapter: Adapter) -> None:
+        with self._lock:
+            self.in_use[adapter.key] -= 1
+            if self.in_use[adapter.key] <= 0:
+                del self.in_use[adapter.key]
+
+    # --8<-- [start:activate]
+    def activate(self, adapters: list[Adapter | None], lengths: list[int], device) -> None:
+        """Before a step: each distinct adapter in a device slot (the least recently used slot
+        that no row of this step needs is overwritten), then the step's plan."""
+        wanted = list({a.key: a for a in adapters if a is not None}.values())
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step with {len(wanted)} adapters, max_loras={self.max_loras}")
+        slot_of = {}
+        for adapter in wanted:
+            if adapter.key in self.in_slot:
+                slot_of[adapter.key] = self.in_slot.index(adapter.key)
+        for adapter in wanted:
+            if adapter.key not in slot_of:
+                free = next(s for s in self.slot_lru if s not in slot_of.values())
+                self._copy_in(adapter, free)
+                slot_of[adapter.key] = free
+            self.slot_lru.move_to_end(slot_of[adapter.key])
+        self.plan = plan_step([None if a is None else slot_of[a.key] for a in adapters], lengths, device)
+    # --8<-- [end:activate]
+
+    def _copy_in(self, adapter: Adapter, slot: int) -> None:
+        """Write an adapter into a slot: each module's A and B at its part's rows and columns, zero elsewhere."""
+        r, sizes = self.max_rank, module_sizes(self.config)
+        for (i, fused), (a, b) in self.slots.items():
+            a[slot].zero_()
+            b[slot].zero_()
+            row = 0
+            for j, part in enumerate(FUSED[fused]):
+                out = sizes[part][1]
+                pair = adapter.weights.get((i, part))
+                if pair is not None:
+                    la, lb = pair
+                    a[slot, j * r: j * r + la.shape[0]] = la.to(a.dtype)
+                    b[slot, row: row + out, j * r: j * r + la.shape[0]] = lb.to(b.dtype)
+                row += out
+        self.in_slot[slot] = adapter.key
+        self.num_swaps += 1
+
+    def runner(self, model: LlamaModel, kv) -> LoRARunner:
+        return LoRARunner(model, kv, self)
+
+    def features(self) -> dict:
+        return {"lora": {"max_loras": self.max_loras, "max_lora_rank": self.max_rank,
+                         "max_cpu_loras": self.max_cpu_loras, "adapters": [a.lora_name for a in self.adapters()]}}
+
+
+# --8<-- [start:runner]
+class LoRARunner(ModelRunner):
+    """Chapter 6's runner whose every batch says which rows take which adapter."""
+
+    def __init__(self, model: LlamaModel, kv, lora: LoRA):
+        super().__init__(model, kv)
+        self.lora = lora
+
+    def prepare(self, requests, starts, lengths, places):
+        self.lora.activate([r.adapter for r in requests], lengths, self.model.device)
+        return super().prepare(requests, starts, lengths, places)
+
+    def release(self, request) -> None:
+        if request.adapter is not None:
+            self.lora.let_go(request.adapter)
+
+    def features(self) -> dict:
+        return self.lora.features()
+# --8<-- [end:runner]
