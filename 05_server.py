@@ -71,6 +71,7 @@ def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: serv
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/completions")(server.completions)
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)
     app.get("/health")(server.health)
     return app
 # --8<-- [end:make-app]
@@ -114,22 +115,25 @@ class OpenAIServer:
 
     async def completions(self, req: CompletionRequest, request: Request):
         """A raw prompt, no chat template. A list of prompts is answered together, all or nothing."""
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        single = isinstance(req.prompt, str) or (bool(req.prompt) and isinstance(req.prompt[0], int))
+        prompts = [req.prompt] if single else req.prompt   # text, or token ids: one prompt, or a list of either
         if not prompts or not all(prompts):
-            raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
+            raise APIError(400, "prompt must be a non-empty string or list of token ids, or a list of them",
+                           param="prompt")
         api.check_request(req, self.model_name)
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt", param="prompt")
         params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
         for prompt in prompts:
-            self.check_size([prompt], "prompt")
+            if isinstance(prompt, str):
+                self.check_size([prompt], "prompt")
         jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self.stream(jobs[0], params, req, request, rid, created)
         results = await until_disconnected(request, self.generate(jobs, params))
         return api.text_completion(rid, created, self.model_name, results, self.engine.tokenizer,
-                                   single=isinstance(req.prompt, str))
+                                   single=single)
 
     # --8<-- [start:prepare]
     def check_size(self, texts: list[str], field: str) -> None:
@@ -152,13 +156,18 @@ class OpenAIServer:
         if requested is not None and self.context_length and requested > self.context_length:
             raise APIError(400, f"{field} is {requested}, but this model's maximum context "
                                 f"length is {self.context_length} tokens.", param=field)
+        api.check_engine_sampling(params, self.can.vllm_sampling)
+        vocab = len(self.engine.tokenizer)
+        if any(isinstance(p, list) and not all(0 <= t < vocab for t in p) for p in prompts):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         try:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
             if self.batching:
                 return [self.engine.new_request(i, requested or self.default_budget(len(i)), params) for i in ids]
             takes_ids = self.can.accepts_token_ids   # then tokenised once, here
-            jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
+            texts = [self.engine.tokenizer.decode(p) if isinstance(p, list) else p for p in prompts]
+            jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(texts, ids)]
             if len(jobs) > 1 and self.can.checks_prompts:   # Chapter 1's checks: text, length, window
                 for prompt, budget in jobs:
                     self.engine.encode(prompt, params.token_budget(budget))
@@ -313,8 +322,14 @@ class OpenAIServer:
 
     # --8<-- [start:small-endpoints]
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "llm-engine-companion"}]}
+        return {"object": "list", "data": [await self.model(self.model_name)]}
+
+    async def model(self, model: str):
+        """GET /v1/models/{id} (client.models.retrieve): this server's one model, or OpenAI's 404."""
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "llm-engine-companion"}
 
     async def health(self):
         return {"status": "ok"}

@@ -167,7 +167,10 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
                    help="the weights' and activations' precision (default auto: bfloat16 on a GPU, float32 elsewhere)")
     for name, (default, row) in EngineConfig.table().items():
         flag, spec = flag_for(name, default, row)   # vLLM's spelling, where it means the same: a second flag
-        g.add_argument(flag, *(["--" + row.alias.replace("_", "-")] if row.alias else []), dest=name, **spec)
+        flags = [flag, *(["--" + row.alias.replace("_", "-")] if row.alias else [])]
+        taken = [f for f in flags if f in parser._option_string_actions]   # a script's own --seed: its workload's
+        flags = [f for f in flags if f not in taken] or ["--engine-" + flag.removeprefix("--")]
+        g.add_argument(*flags, dest=name, **spec)
 
 
 class _OnlyGroup:
@@ -177,7 +180,7 @@ class _OnlyGroup:
         self.group, self.only = group, only
 
     def add_argument(self, flag: str, *aliases: str, **kwargs) -> None:
-        if flag.removeprefix("--").replace("-", "_") in self.only:
+        if kwargs.get("dest", flag.removeprefix("--").replace("-", "_")) in self.only:
             self.group.add_argument(flag, *aliases, **kwargs)
 
 

@@ -439,6 +439,7 @@ class EngineCapabilities:
     schedules_itself: bool = False
     max_num_seqs: int | None = None     # sequences in one step: the seats of an engine that schedules itself
     token_capacity: int | None = None   # the most tokens one request can ever hold: its KV pool (None: no pool)
+    vllm_sampling: bool = False         # it honours SamplingParams' min_p, min_tokens and stop_token_ids
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_size", "max_num_seqs", "token_capacity"):

@@ -121,7 +121,7 @@ def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 def hold_back(logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
     """vLLM's min_tokens: -inf for EOS and the stop token ids of each row whose request has fewer
     than min_tokens new tokens (ahead: guesses before this row, Chapter 10's verification)."""
-    rows = [i for i, r in enumerate(requests) if r.held_back and len(r.new_ids) + ahead < r.params.min_tokens]
+    rows = [i for i, r in enumerate(requests) if getattr(r, "held_back", ()) and len(r.new_ids) + ahead < r.params.min_tokens]
     if not rows:
         return logits
     logits = logits.clone()   # never in place: the raw logits still give log-probabilities
