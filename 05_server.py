@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -364,8 +365,12 @@ def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Serve an engine over OpenAI's HTTP API.")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes it to the network")
     parser.add_argument("--port", type=cli.integer(1, 65535), default=8001)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     parser.add_argument("--model", default=os.environ.get("ENGINE_MODEL"),
                         help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's id in the API (vLLM's flag; default: the engine's model name)")
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
                         help="the engine class as module:Class (default: $ENGINE_CLASS or %(default)s); "
                         "flags after the class, in the same quotes, are its own and win over the ones "
@@ -381,6 +386,10 @@ def main() -> None:
     args = parser.parse_args()
     if not args.host.strip():   # '' would listen on every interface, not on none
         parser.error("--host must name an address: 127.0.0.1 (this machine only) or 0.0.0.0 (the network)")
+    if args.model_tag is not None:   # `minivllm-serve MODEL`, as `vllm serve MODEL`
+        if args.model not in (None, args.model_tag) and "--model" in " ".join(sys.argv):
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
         engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
@@ -388,7 +397,7 @@ def main() -> None:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
-        server_ops.run_server(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
+        server_ops.run_server(make_app(engine, args.served_model_name, ops=ops), ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server
         engine.close()
 

@@ -152,7 +152,7 @@ class ResponseFormat(_Strict):
 
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extra (its StructuredOutputsParams): exactly one of these."""
-    json: dict | str | None = None
+    json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None

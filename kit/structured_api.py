@@ -46,7 +46,7 @@ def requested_constraint(req) -> tuple[dict | None, str | None]:
     if field == "structured_outputs":   # vLLM's newer spelling of the guided_* fields
         kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                  "json_object": "json_object"}
-        given = {kinds[k]: v for k, v in req.structured_outputs.model_dump().items() if v not in (None, False)}
+        given = {kinds[k]: v for k, v in req.structured_outputs.model_dump(by_alias=True).items() if v not in (None, False)}
         if len(given) != 1:
             raise FieldError(field, f"structured_outputs takes exactly one of {', '.join(kinds)}")
         return given, field
