@@ -128,6 +128,8 @@ class OpenAIServer:
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.check_size([prompt], "prompt")
+            elif not all(0 <= t < len(self.engine.tokenizer) for t in prompt):   # token ids the model has
+                raise APIError(400, f"prompt token ids must be in [0, {len(self.engine.tokenizer)})", param="prompt")
         jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
@@ -158,9 +160,6 @@ class OpenAIServer:
             raise APIError(400, f"{field} is {requested}, but this model's maximum context "
                                 f"length is {self.context_length} tokens.", param=field)
         api.check_engine_sampling(params, self.can.vllm_sampling)
-        vocab = len(self.engine.tokenizer)
-        if any(isinstance(p, list) and not all(0 <= t < vocab for t in p) for p in prompts):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         try:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
