@@ -118,6 +118,7 @@ def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
+# --8<-- [start:hold-back]
 def hold_back(logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
     """vLLM's min_tokens: -inf for EOS and the stop token ids of each row whose request has fewer
     than min_tokens new tokens (ahead: guesses before this row, Chapter 10's verification)."""
@@ -128,6 +129,7 @@ def hold_back(logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> 
     for i in rows:
         logits[i, list(requests[i].held_back)] = float("-inf")
     return logits
+# --8<-- [end:hold-back]
 
 
 def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
