@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -72,6 +73,7 @@ def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: serv
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/completions")(server.completions)
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)
     app.get("/health")(server.health)
     return app
 # --8<-- [end:make-app]
@@ -115,22 +117,27 @@ class OpenAIServer:
 
     async def completions(self, req: CompletionRequest, request: Request):
         """A raw prompt, no chat template. A list of prompts is answered together, all or nothing."""
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        single = isinstance(req.prompt, str) or (bool(req.prompt) and isinstance(req.prompt[0], int))
+        prompts = [req.prompt] if single else req.prompt   # text, or token ids: one prompt, or a list of either
         if not prompts or not all(prompts):
-            raise APIError(400, "prompt must be a non-empty string or a list of them", param="prompt")
+            raise APIError(400, "prompt must be a non-empty string or list of token ids, or a list of them",
+                           param="prompt")
         lora = self.adapter_for(req)
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt", param="prompt")
         params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
         for prompt in prompts:
-            self.check_size([prompt], "prompt")
+            if isinstance(prompt, str):
+                self.check_size([prompt], "prompt")
+            elif not all(0 <= t < len(self.engine.tokenizer) for t in prompt):   # token ids the model has
+                raise APIError(400, f"prompt token ids must be in [0, {len(self.engine.tokenizer)})", param="prompt")
         jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params, lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self.stream(jobs[0], params, req, request, rid, created)
         results = await until_disconnected(request, self.generate(jobs, params))
         return api.text_completion(rid, created, self.model_name, results, self.engine.tokenizer,
-                                   single=isinstance(req.prompt, str))
+                                   single=single)
 
     # --8<-- [start:prepare]
     def check_size(self, texts: list[str], field: str) -> None:
@@ -161,6 +168,7 @@ class OpenAIServer:
         if requested is not None and self.context_length and requested > self.context_length:
             raise APIError(400, f"{field} is {requested}, but this model's maximum context "
                                 f"length is {self.context_length} tokens.", param=field)
+        api.check_engine_sampling(params, self.can.vllm_sampling)
         try:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
@@ -169,7 +177,8 @@ class OpenAIServer:
                 return [self.engine.new_request(i, requested or self.default_budget(len(i)), params, **adapter)
                         for i in ids]
             takes_ids = self.can.accepts_token_ids   # then tokenised once, here
-            jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(prompts, ids)]
+            texts = [self.engine.tokenizer.decode(p) if isinstance(p, list) else p for p in prompts]
+            jobs = [(i if takes_ids else p, requested or self.default_budget(len(i))) for p, i in zip(texts, ids)]
             if len(jobs) > 1 and self.can.checks_prompts:   # Chapter 1's checks: text, length, window
                 for prompt, budget in jobs:
                     self.engine.encode(prompt, params.token_budget(budget))
@@ -331,6 +340,14 @@ class OpenAIServer:
             *({"id": a.lora_name, "object": "model", "created": 0, "owned_by": "llm-engine-companion",
                "parent": self.model_name, "root": str(a.lora_path)} for a in adapters)]}
 
+    async def model(self, model: str):
+        """GET /v1/models/{id} (client.models.retrieve): the base or one of its adapters, or OpenAI's 404."""
+        for card in (await self.models())["data"]:
+            if card["id"] == model:
+                return card
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                       param="model", code="model_not_found")
+
     async def health(self):
         return {"status": "ok"}
     # --8<-- [end:small-endpoints]
@@ -364,8 +381,12 @@ def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Serve an engine over OpenAI's HTTP API.")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes it to the network")
     parser.add_argument("--port", type=cli.integer(1, 65535), default=8001)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     parser.add_argument("--model", default=os.environ.get("ENGINE_MODEL"),
                         help="HF id or local folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's id in the API (vLLM's flag; default: the engine's model name)")
     parser.add_argument("--engine", default=os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE),
                         help="the engine class as module:Class (default: $ENGINE_CLASS or %(default)s); "
                         "flags after the class, in the same quotes, are its own and win over the ones "
@@ -397,6 +418,10 @@ def main() -> None:
     args = parser.parse_args()
     if not args.host.strip():   # '' would listen on every interface, not on none
         parser.error("--host must name an address: 127.0.0.1 (this machine only) or 0.0.0.0 (the network)")
+    if args.model_tag is not None:   # `minivllm-serve MODEL`, as `vllm serve MODEL`
+        if args.model not in (None, args.model_tag) and "--model" in " ".join(sys.argv):
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
         engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
@@ -405,7 +430,7 @@ def main() -> None:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
-        server_ops.run_server(make_app(engine, ops=ops), ops, host=args.host, port=args.port)
+        server_ops.run_server(make_app(engine, args.served_model_name, ops=ops), ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server
         engine.close()
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from pathlib import Path
 
-from minivllm.config import MAX_KV_MEMORY, EngineConfig, Option
+from minivllm.config import EngineConfig, Option, parse_bytes
 from minivllm.model_files import DTYPE_NAMES
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
@@ -106,17 +105,6 @@ def add_model_flags(parser: argparse.ArgumentParser, device: bool = True, thread
                             help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
 
 
-def parse_bytes(text: str) -> int:
-    """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"not a memory size: {text!r} (try 512MB or 2GB)")
-    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
-    if not 1 <= value <= MAX_KV_MEMORY:
-        raise ValueError(f"memory size {text!r} is out of range (1 byte .. 1 TiB)")
-    return int(value)
-
-
 def fraction(text: str) -> float:
     """A number in (0, 1], as an argparse type."""
     try:
@@ -149,12 +137,24 @@ def flag_for(name: str, default, row: Option) -> tuple[str, dict]:
     if row.kind == "int":
         spec = {"type": integer(row.low, row.high)}
     elif row.kind == "choice":   # group sizes are numbers: typed, so that "32" is the choice 32
-        spec = {"choices": row.choices, **({"type": integer()} if isinstance(row.choices[0], int) else {})}
+        spec = {"choices": row.choices, "type": integer() if isinstance(row.choices[0], int) else checked(name, row)}
     else:
         spec = {"bytes": {"type": byte_size}, "fraction": {"type": fraction}, "text": {},
                 "flag": {"action": "store_true"}, "switch": {"action": "store_true"}}[row.kind]
     shown = "" if default is None or row.kind in ("flag", "switch") else f"; default {default}"
     return "--" + name.replace("_", "-"), {**spec, "default": None, "help": f"{row.help} (Chapter {row.chapter}{shown})"}
+
+
+def checked(name: str, row: Option):
+    """A choice's text, refused with the row's own reason (quantization=awq says why, not only the choices)."""
+    def parse(text: str) -> str:
+        try:
+            row.check(name, text)
+        except ValueError as exc:
+            if not str(exc).startswith(f"{name} must be"):   # the plain "not a choice" is argparse's to say
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return parse
 
 
 def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ENGINE_OPTIONS) -> None:
@@ -166,8 +166,11 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
     g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="the weights' and activations' precision (default auto: bfloat16 on a GPU, float32 elsewhere)")
     for name, (default, row) in EngineConfig.table().items():
-        flag, spec = flag_for(name, default, row)
-        g.add_argument(flag, **spec)
+        flag, spec = flag_for(name, default, row)   # vLLM's spelling, where it means the same: a second flag
+        flags = [flag, *(["--" + row.alias.replace("_", "-")] if row.alias else [])]
+        taken = [f for f in flags if f in parser._option_string_actions]   # a script's own --seed: its workload's
+        flags = [f for f in flags if f not in taken] or ["--engine-" + flag.removeprefix("--")]
+        g.add_argument(*flags, dest=name, **spec)
 
 
 class _OnlyGroup:
@@ -176,9 +179,9 @@ class _OnlyGroup:
     def __init__(self, group, only: tuple[str, ...]):
         self.group, self.only = group, only
 
-    def add_argument(self, flag: str, **kwargs) -> None:
-        if flag.removeprefix("--").replace("-", "_") in self.only:
-            self.group.add_argument(flag, **kwargs)
+    def add_argument(self, flag: str, *aliases: str, **kwargs) -> None:
+        if kwargs.get("dest", flag.removeprefix("--").replace("-", "_")) in self.only:
+            self.group.add_argument(flag, *aliases, **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -85,6 +85,9 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None   # None only for an assistant's tool calls
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=32)] | None = None   # Chapter 11: an earlier call
     tool_call_id: str | None = None           # a tool message: the call it answers
+    # who speaks (OpenAI's, LangChain's HumanMessage(name=)): handed to the chat template as vLLM does;
+    # a template with no place for it (SmolLM2's) leaves it out
+    name: str | None = Field(None, min_length=1, max_length=64)
 
 
 class StreamOptions(_Strict):
@@ -100,15 +103,15 @@ UNSUPPORTED = {
     "best_of": (None, 1), "echo": (None, False), "suffix": None, "audio": None, "modalities": None,
     "prediction": None, "web_search_options": None, "reasoning_effort": None, "verbosity": None,
     # vLLM's sampling, output and prompt extensions
-    "min_p": (None, 0, 0.0), "typical_p": (None, 1, 1.0), "min_tokens": (None, 0), "length_penalty": (None, 1, 1.0),
-    "use_beam_search": (None, False), "stop_token_ids": (None, []), "bad_words": (None, []),
+    "typical_p": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+    "use_beam_search": (None, False), "bad_words": (None, []),
     "allowed_token_ids": None, "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": None, "truncate_prompt_tokens": None,
-    "structured_outputs": None, "logits_processors": None, "add_generation_prompt": (None, True),
+    "logits_processors": None, "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": None, "chat_template_kwargs": None,
 }
 # Message fields the chat template has no place for.
-MESSAGE_UNSUPPORTED = {"name": None, "function_call": None, "audio": None}
+MESSAGE_UNSUPPORTED = {"function_call": None, "audio": None}
 
 
 def check_request(req: SamplingFields, model_name: str, adapters: tuple[str, ...] = ()) -> None:
@@ -146,6 +149,15 @@ class JSONSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extra (its StructuredOutputsParams): exactly one of these."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class FunctionDef(_Strict):
@@ -209,6 +221,11 @@ class SamplingFields(_Strict):
     guided_grammar: str | None = None
     # vLLM's field: prefix-cache blocks are shared only among requests with the same salt (Chapter 8)
     cache_salt: str | None = field_for("cache_salt")
+    # vLLM's sampling extensions, bounded as SamplingParams bounds them
+    min_p: float = field_for("min_p")
+    min_tokens: int = field_for("min_tokens")
+    stop_token_ids: list[int] | None = None   # its length is SamplingParams' to check
+    structured_outputs: StructuredOutputs | None = None   # vLLM's current extra: one of json, regex, ...
 
     def token_limit(self) -> tuple[int | None, str]:
         """The requested number of new tokens, and the field that asked for it."""
@@ -217,8 +234,8 @@ class SamplingFields(_Strict):
 
 def _at_most(limit: int, what: str):
     """A 'before' validator: a list too long is refused on its length, before its items are read."""
-    def check(value):
-        if isinstance(value, list) and len(value) > limit:
+    def check(value):   # (one prompt's token ids are a list of ints: the context window bounds those)
+        if isinstance(value, list) and len(value) > limit and not all(type(v) is int for v in value):
             raise ValueError(f"at most {limit} {what} in one request, got {len(value)}")
         return value
     return field_validator("messages" if what == "messages" else "prompt", mode="before")(check)
@@ -244,7 +261,8 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]                   # a list is answered as one batch
+    # text, token ids, or a list of either: a list of prompts is answered as one batch
+    prompt: str | list[str] | list[int] | list[list[int]]
     _few_prompts = _at_most(MAX_PROMPTS, "prompts")
     logprobs: int | None = field_for("logprobs")   # legacy form: the number of alternatives
 
@@ -252,6 +270,9 @@ class CompletionRequest(SamplingFields):
 # Chat-only fields sent to /v1/completions are refused, not ignored (null is "not sent").
 NOT_FOR_COMPLETIONS = dict.fromkeys(sorted(ChatRequest.model_fields.keys() - CompletionRequest.model_fields.keys()))
 # --8<-- [end:request-models]
+
+
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}")
 
 
 # --8<-- [start:errors]
@@ -262,7 +283,7 @@ class APIError(Exception):
                  type_: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type = status, message, param, type_
-        self.code = code or status
+        self.code = code or str(status)   # a string, as OpenAI's ("model_not_found"); the status where none names it
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -310,6 +331,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return await api_error(request, APIError(400, message, param=loc[0] if loc else None))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):   # no such route
+            return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path} is not "
+                                   f"a route of this server; it serves {', '.join(ROUTES)}", code="unknown_route"))
         return await api_error(request, APIError(exc.status_code, unreadable(exc) or str(exc.detail)))
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -360,7 +384,8 @@ def sampling_params(req: SamplingFields, params_class: type, cache_salt=lambda s
     except structured_api.FieldError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
     try:
-        params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                              min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or (),
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
                               logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=cache_salt(req.cache_salt),
                               **adjustments)
@@ -503,8 +528,20 @@ def chat_messages(messages: list) -> list[dict]:
             content = "".join(p.text for p in content)
         # An earlier tool call goes back into the conversation as the text the model wrote for it.
         content += "".join(structured_api.call_text(c.function.name, c.function.arguments) for c in m.tool_calls or ())
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content,
+                    **({"name": m.name} if m.name is not None else {})})
     return out
+
+
+VLLM_SAMPLING = ("min_p", "min_tokens", "stop_token_ids")
+
+
+def check_engine_sampling(params, honours_vllm_sampling: bool) -> None:
+    """vLLM's sampling fields, refused for an engine that would ignore them (EngineCapabilities)."""
+    asked = [name for name in VLLM_SAMPLING if getattr(params, name)]
+    if asked and not honours_vllm_sampling:
+        raise APIError(400, f"{asked[0]} is not supported by this engine (the assembled engine, "
+                            f"minivllm:LLM, has it)", param=asked[0])
 
 
 def chat_ids(tokenizer, messages: list[dict], render=None) -> list[int]:

@@ -28,7 +28,7 @@ def requested_constraint(req) -> tuple[dict | None, str | None]:
     At most one field may ask: two constraints on one reply have no meaning."""
     if getattr(req, "tool_choice", None) not in (None, "none") and not req.tools:
         raise FieldError("tool_choice", "tool_choice needs tools: there is no function to call")
-    asked = [name for name in ("response_format", "tools", *GUIDED) if _asks(req, name)]
+    asked = [name for name in ("response_format", "tools", "structured_outputs", *GUIDED) if _asks(req, name)]
     if len(asked) > 1:
         raise FieldError(asked[1], f"{asked[0]} and {asked[1]} both constrain the reply; send one of them")
     if not asked:
@@ -43,6 +43,13 @@ def requested_constraint(req) -> tuple[dict | None, str | None]:
         return {"json_schema": fmt.json_schema.schema_}, field
     if field == "tools":
         return tools_constraint(req.tools, req.tool_choice), field
+    if field == "structured_outputs":   # vLLM's newer spelling of the guided_* fields
+        kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                 "json_object": "json_object"}
+        given = {kinds[k]: v for k, v in req.structured_outputs.model_dump(by_alias=True).items() if v not in (None, False)}
+        if len(given) != 1:
+            raise FieldError(field, f"structured_outputs takes exactly one of {', '.join(kinds)}")
+        return given, field
     kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
             "guided_grammar": "grammar"}[field]
     return {kind: getattr(req, field)}, field

@@ -12,6 +12,7 @@ every chapter may read it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 # --8<-- [start:constants]
@@ -28,6 +29,13 @@ DEFAULT_KV_MEMORY = 512 << 20                                   # 728 blocks of 
 DEFAULT_BLOCK_SIZE = 16                                         # vLLM's default
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9                            # Chapter 15: vLLM's default fraction of a GPU
 MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 64, 512, 1024          # Chapter 17: adapters in device slots, in host memory
+MAX_MODEL_LEN = 1 << 20                                         # tokens: a bound on the bound
+SEED_RANGE = (0, 2**63 - 1)                                     # an engine's seed, as torch takes it
+# vLLM's other quantization methods read checkpoints quantised elsewhere; this package quantises
+# the model's own float weights as it loads them (Chapter 12), so those names have no meaning here.
+FOREIGN_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "fbgemm_fp8", "bitsandbytes",
+                         "gguf", "squeezellm", "compressed-tensors", "experts_int8", "modelopt", "deepspeedfp",
+                         "hqq", "aqlm", "mxfp4", "torchao")
 # --8<-- [end:constants]
 
 
@@ -47,11 +55,21 @@ class Option:
     choices: tuple = ()
     none: bool = False
     vllm: str | None = None          # vLLM's spelling, where it differs (or None: the same name)
+    vllm_alias: bool = True          # vLLM's spelling is also accepted (LLM's keyword, a flag), same meaning
+
+    @property
+    def alias(self) -> str | None:
+        """vLLM's spelling as a keyword this engine accepts too (None: none, or not one identifier)."""
+        return self.vllm if self.vllm and self.vllm_alias and self.vllm.isidentifier() else None
 
     def check(self, name: str, value) -> None:
         """ValueError naming the option and what it accepts, unless value fits."""
         if value is None and (self.none or self.kind == "switch"):
             return
+        if self.kind == "choice" and self.vllm == "quantization" and value in FOREIGN_QUANTIZATIONS:
+            raise ValueError(f"{name} (vLLM's {self.vllm}) {value!r} reads a checkpoint quantised elsewhere, which this engine does "
+                             f"not load: it quantises the model's own weights, to one of "
+                             f"{', '.join(self.choices)} (int4 is the nearest to {value})")
         if self.kind in ("int", "bytes"):
             ok = isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high
             accepts = f"an integer in [{self.low}, {self.high}]"
@@ -72,6 +90,15 @@ class Option:
 def option(default, kind: str, help: str, chapter: int, **row):
     """A field of EngineConfig with its row of the table."""
     return field(default=default, metadata={"option": Option(kind, help, chapter, **row)})
+def parse_bytes(text: str) -> int:
+    """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (try 512MB or 2GB)")
+    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    if not 1 <= value <= MAX_KV_MEMORY:
+        raise ValueError(f"memory size {text!r} is out of range (1 byte .. 1 TiB)")
+    return int(value)
 # --8<-- [end:option]
 
 
@@ -88,7 +115,8 @@ class EngineConfig:
     block_size: int = option(DEFAULT_BLOCK_SIZE, "int", "tokens per KV block", 7, low=1, high=MAX_BLOCK_SIZE)
     prefix_caching: bool = option(
         False, "flag", "share the KV blocks of prompt prefixes seen before, among all clients unless their "
-        "requests carry different cache_salt", 8, vllm="enable_prefix_caching")
+        "requests carry different cache_salt (vLLM's default is on, this engine's off: Chapter 8 turns it on)", 8,
+        vllm="enable_prefix_caching")
     max_num_seqs: int = option(32, "int", "sequences in one step, at most", 9, low=1, high=MAX_SEQS)
     max_num_batched_tokens: int = option(
         256, "int", "tokens in one step, at most: the prefill chunk", 9, low=1, high=MAX_SEQS)
@@ -110,7 +138,7 @@ class EngineConfig:
         choices=HEAD_FORMATS)
     compile: bool = option(
         False, "flag", "packed weights and fused ops via torch.compile; the first start compiles for a minute "
-        "or two, later ones read inductor's cache", 13, vllm="compilation_config")
+        "or two, later ones read inductor's cache", 13, vllm="compilation_config", vllm_alias=False)
     tensor_parallel_size: int | None = option(
         None, "int", "split the model over N processes: gloo on CPU, NCCL on N GPUs (default: one process, "
         "no group)", 14, low=1, high=MAX_TENSOR_PARALLEL, none=True)
@@ -127,8 +155,22 @@ class EngineConfig:
     max_cpu_loras: int | None = option(
         None, "int", "adapters held in host memory, at most (default: max_loras)", 17, low=1, high=MAX_CPU_LORAS,
         none=True)
+    # vLLM's two engine-wide request settings (the same names)
+    seed: int | None = option(
+        None, "int", "the seed of every request that brings none: request i's is drawn from (seed, i), so a "
+        "script run twice answers the same, each request independent of its batch mates (default: none)", 1,
+        low=SEED_RANGE[0], high=SEED_RANGE[1], none=True)
+    max_model_len: int | None = option(
+        None, "int", "prompt and output tokens of one request together, at most (default: the model's context "
+        "window)", 1, low=1, high=MAX_MODEL_LEN, none=True)
 
     def __post_init__(self) -> None:
+        for f in fields(self):   # a size may come with its unit, as on the command line ("96MB")
+            if f.metadata["option"].kind == "bytes" and isinstance(getattr(self, f.name), str):
+                try:
+                    object.__setattr__(self, f.name, parse_bytes(getattr(self, f.name)))
+                except ValueError as exc:
+                    raise ValueError(f"{f.name}: {exc}") from None
         for f in fields(self):
             f.metadata["option"].check(f.name, getattr(self, f.name))
         check_budgets(self.max_num_seqs, self.max_num_batched_tokens)
@@ -154,6 +196,11 @@ class EngineConfig:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def vllm_names(cls) -> dict[str, str]:
+        """vLLM's spelling -> ours, for every option whose vLLM name differs and means the same."""
+        return {row.alias: f.name for f in fields(cls) if (row := f.metadata["option"]).alias}
 
     @classmethod
     def table(cls) -> dict[str, tuple[object, Option]]:

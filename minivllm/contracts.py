@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, fields
+from dataclasses import InitVar, asdict, dataclass, fields
 from typing import Literal
 
 from minivllm.request_fields import RequestField, request_field
@@ -53,10 +53,10 @@ class SamplingParams:
                                            openai="max_completion_tokens")
     seed: int | None = request_field(None, "same seed, same sampled text", low=-(2**63), high=2**64 - 1,
                                      note="a 64-bit integer")   # what torch.Generator.manual_seed takes
-    # Four stop strings is OpenAI's limit; the length cap keeps the per-token check for "could
-    # this tail grow into a stop string?" cheap.
+    # OpenAI allows four stop strings and vLLM any number; 64 and the length cap keep the
+    # per-token check for "could this tail grow into a stop string?" cheap.
     stop: tuple[str, ...] = request_field((), "generation ends before the first of these strings",
-                                          max_items=4, max_chars=256)
+                                          max_items=64, max_chars=256)
     ignore_eos: bool = request_field(False, "keep going past end-of-sequence (benchmarks use it)")
     # Adjustments to the logits before temperature, in the order HF's generate applies them,
     # bounded as OpenAI bounds them. vLLM's repetition_penalty has no bound, but beyond 2 it only
@@ -80,13 +80,34 @@ class SamplingParams:
     # Chapter 8: tenants that must not learn each other's prompts use different salts.
     cache_salt: str | None = request_field(None, "vLLM's: a prefix cache shares a prompt's blocks only "
                                                  "with requests of the same salt", max_chars=256)
+    # vLLM's: a floor under the probabilities, held back endings, token ids that end the answer
+    min_p: float = request_field(0.0, "vLLM's: drop tokens less likely than min_p times the likeliest one "
+                                      "(after temperature)", low=0.0, high=1.0, note="0 turns it off")
+    min_tokens: int = request_field(0, "vLLM's: no EOS, stop token or stop string ends the answer before "
+                                       "this many new tokens", low=0, high=1 << 20)
+    stop_token_ids: tuple[int, ...] = request_field((), "vLLM's: generation ends at any of these token ids "
+                                                        "(kept in token_ids, not in the text)", max_items=64)
+    # vLLM's structured-output spellings, read into `structured` (not fields of their own)
+    structured_outputs: InitVar[object] = None
+    guided_decoding: InitVar[object] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, structured_outputs=None, guided_decoding=None) -> None:
+        for name, given in (("structured_outputs", structured_outputs), ("guided_decoding", guided_decoding)):
+            if given is not None:     # vLLM's StructuredOutputsParams / GuidedDecodingParams: one constraint
+                if not isinstance(given, StructuredOutputsParams):
+                    raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(given).__name__}")
+                if self.structured is not None:
+                    raise ValueError(f"{name} and structured both ask for a constraint; give one")
+                object.__setattr__(self, "structured", given.constraint())
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its letters
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                is_integer(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r:.80}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_types()
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
@@ -100,17 +121,22 @@ class SamplingParams:
         self._check_logit_bias()
         if self.structured is not None:
             object.__setattr__(self, "structured", structured_spec(self.structured))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured is not None:
+            raise ValueError("min_tokens does not combine with structured output: the grammar decides where the "
+                             "answer may end")
 
     def _check_types(self) -> None:
         # True is an int in Python, "0.5" would fail later, deep in torch, with a TypeError,
         # and NaN slips past every range comparison.
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "min_tokens"):
             value = getattr(self, name)
-            if (value is not None or name == "top_k") and not is_integer(value):
+            if (value is not None or name in ("top_k", "min_tokens")) and not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
@@ -143,11 +169,12 @@ class SamplingParams:
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids in logit_bias must exist in the model's vocabulary (the engine knows its size)."""
-        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias names token {bad[0]}, but the vocabulary has {vocab_size} tokens "
-                             f"(ids 0 to {vocab_size - 1})")
+        """Token ids in logit_bias and stop_token_ids must exist in the model's vocabulary (the engine knows its size)."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token {bad[0]}, but the vocabulary has {vocab_size} tokens "
+                                 f"(ids 0 to {vocab_size - 1})")
 
     @property
     def stops_on_eos(self) -> bool:
@@ -192,6 +219,32 @@ def check_max_new_tokens(max_new_tokens) -> None:
 
 
 # --8<-- [start:structured]
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's spelling of one constraint (`SamplingParams(structured_outputs=StructuredOutputsParams(
+    json=schema))`; its older name, GuidedDecodingParams, is the same class): exactly one field set.
+    It becomes SamplingParams.structured, the engine's own (kind, text) pair."""
+
+    json: dict | str | None = None           # a JSON Schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None               # EBNF (xgrammar's dialect, as vLLM's default backend)
+    json_object: bool | None = None
+    structural_tag: dict | str | None = None
+
+    def constraint(self) -> tuple[str, str | tuple[str, ...]]:
+        kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                 "json_object": "json_object", "structural_tag": "structural_tag"}
+        given = {name: value for name in kinds if (value := getattr(self, name)) not in (None, False)}
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(kinds)}, got {sorted(given) or 'none'}")
+        (name, value), = given.items()
+        return structured_spec({kinds[name]: value})
+
+
+GuidedDecodingParams = StructuredOutputsParams   # vLLM's name for it before version 0.11
+
+
 def structured_spec(structured) -> tuple[str, str | tuple[str, ...]]:
     """A structured-output request as a hashable (kind, text) pair, bounded and checked to compile.
 
@@ -317,18 +370,48 @@ def join_pieces(pieces: list[str]) -> str:
 
 # --8<-- [start:result]
 @dataclass
+class CompletionOutput:
+    """One answer to a prompt, in vLLM's names (a request asking for n answers has n of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    cumulative_logprob: float | None = None     # the sum of logprobs' (None: logprobs not asked for)
+    logprobs: list[TokenLogprob] | None = None  # one per token id (vLLM: one dict of alternatives per token)
+    stop_reason: str | int | None = None        # the stop string or stop token id that ended it (None: EOS, length)
+
+
+@dataclass
 class GenerateResult:
-    """One finished request: the new text, its token ids, what it cost, and why it ended."""
+    """One finished request: the new text, its token ids, what it cost, and why it ended.
+
+    It also reads as vLLM's RequestOutput: `prompt`, `prompt_token_ids`, `prompt_logprobs` and
+    `outputs`, a list of CompletionOutput. For one answer per prompt, `outputs[0]` is this
+    result's own text, ids, finish_reason and logprobs; an engine that makes several answers
+    passes them all as `outputs`, and the fields above read as the first."""
 
     text: str
     output_ids: list[int]
     metrics: RequestMetrics
     finish_reason: FinishReason = "length"  # "stop": EOS or a stop string; "length": the budget ran out
     logprobs: list[TokenLogprob] | None = None   # one per output id, when SamplingParams.logprobs asked
+    prompt: str | None = None                    # the prompt's text, when it came as text
+    prompt_token_ids: list[int] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: list[CompletionOutput] | None = None   # None: made from the fields above (one answer)
+    stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        if self.outputs is None:
+            cumulative = None if self.logprobs is None else sum(e.logprob for e in self.logprobs)
+            self.outputs = [CompletionOutput(0, self.text, self.output_ids, self.finish_reason, cumulative,
+                                             self.logprobs, self.stop_reason)]
+        if not self.outputs:
+            raise ValueError("a GenerateResult has at least one output")
 # --8<-- [end:result]
 
 
@@ -358,6 +441,7 @@ class EngineCapabilities:
     token_capacity: int | None = None   # the most tokens one request can ever hold: its KV pool (None: no pool)
     # Chapter 17: LoRA adapters served by name (add_lora, list_loras); new_request takes a lora_request.
     serves_adapters: bool = False
+    vllm_sampling: bool = False         # it honours SamplingParams' min_p, min_tokens and stop_token_ids
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_size", "max_num_seqs", "token_capacity"):

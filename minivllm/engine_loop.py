@@ -12,14 +12,36 @@ The loop needs from its engine only `step()`, `new_request()`, `_leave()`, `_des
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 from minivllm import threads as cpu_threads
 from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
 from minivllm.output import Request
+
+
+# Engines whose loop has run: closed at interpreter exit, so that a script that never called close()
+# (or was stopped by Ctrl-C) ends without a loop thread inside torch while the process is torn down
+# (an abort, exit 134, and a core file) and without a worker process left behind.
+_STARTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_at_exit(engine) -> None:
+    """engine.close() runs at interpreter exit, unless the engine is gone by then."""
+    _STARTED.add(engine)
+
+
+@atexit.register
+def _close_started() -> None:
+    for engine in list(_STARTED):
+        try:
+            engine.close()
+        except Exception:   # noqa: BLE001 - at exit, one engine's failure must not keep the others open
+            pass
 
 
 class EngineUnavailable(RuntimeError):
@@ -67,6 +89,7 @@ class EngineLoop:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
                 self._thread.start()
+                close_at_exit(self)
             self._inbox.extend(requests)
             self._cv.notify()
 
@@ -158,12 +181,16 @@ class EngineLoop:
         return self.submit(prompt, max_new_tokens, params).result()
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
-                       params: SamplingParams | None = None) -> list[GenerateResult]:
-        """Every prompt enters the scheduler at once; each leaves the step it finishes."""
+                       params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerateResult]:
+        """Every prompt enters the scheduler at once; each leaves the step it finishes. params: one
+        SamplingParams for all, or a list of them, one per prompt (as vLLM's generate takes)."""
         check_prompts(prompts)
+        each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"params: {len(each)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         t0 = time.perf_counter()
-        streams = self.submit_all([self.new_request(p, max_new_tokens, params, arrival=t0)   # all checked first
-                                   for p in prompts])
+        streams = self.submit_all([self.new_request(p, max_new_tokens, sp, arrival=t0)   # all checked first
+                                   for p, sp in zip(prompts, each)])
         try:
             return [s.result() for s in streams]
         finally:              # one failed, or the caller was interrupted: nothing keeps running

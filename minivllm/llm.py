@@ -22,6 +22,8 @@ where the chapters meet. Each option becomes an object handed to the part that u
 from __future__ import annotations
 
 import time
+import dataclasses
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +34,7 @@ from minivllm.config import EngineConfig
 from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
+from minivllm.engine_loop import close_at_exit
 from minivllm.gpu_memory import kv_memory_left, step_headroom
 from minivllm.kv_cache import KVPool, blocks_in, describe_pool
 from minivllm.lora import LoRA, LoRARequest
@@ -76,6 +79,51 @@ def decode_graphs(config: EngineConfig, device: torch.device, max_model_len: int
 DEFAULTS = EngineConfig()   # each keyword's default, read from its row of the table (minivllm/config.py)
 
 
+# --8<-- [start:vllm-names]
+def from_vllm(options: dict, spelled: dict) -> dict:
+    """LLM's options with vLLM's spellings (from the table's vllm column) put in our names' places.
+    A keyword neither spells is a TypeError, as Python's own; both spellings given, too."""
+    names = EngineConfig.vllm_names()
+    for vllm_name, value in spelled.items():
+        if vllm_name not in names:
+            raise TypeError(f"LLM() got an unexpected keyword argument {vllm_name!r} (its options: "
+                            f"{', '.join(EngineConfig.names())}; vLLM's spellings: {', '.join(names)})")
+        ours = names[vllm_name]
+        if options[ours] != getattr(DEFAULTS, ours):
+            raise TypeError(f"LLM() got both {ours}= and vLLM's spelling of it, {vllm_name}=")
+        options[ours] = value
+    return options
+# --8<-- [end:vllm-names]
+
+
+def prompt_input(prompt):
+    """vLLM's prompt dicts as ours: {"prompt": text} is the text, {"prompt_token_ids": ids} the ids."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt) - {"multi_modal_data"} if not prompt.get("multi_modal_data") else set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        return list(ids) if isinstance(ids, (list, tuple)) else ids
+    raise ValueError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (a list of ids), got {sorted(prompt)}")
+
+
+def check_messages(messages) -> list[dict]:
+    """A conversation: a list of dicts, each with a role and its text content (ValueError naming what lacks)."""
+    if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] has no {key!r}")
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a string, got {type(m[key]).__name__}")
+    return list(messages)
+
+
 class LLM(LLMEngine):
     """Every chapter's feature, as keywords with the server's flag names (`--kv-memory` is
     `kv_memory=`). A BaseOfflineEngine: `generate`, `generate_batch`, plus `chat`, a context
@@ -96,16 +144,24 @@ class LLM(LLMEngine):
                  gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization,
                  enable_lora: bool = DEFAULTS.enable_lora, max_loras: int = DEFAULTS.max_loras,
                  max_lora_rank: int = DEFAULTS.max_lora_rank, max_cpu_loras: int | None = DEFAULTS.max_cpu_loras,
-                 structured_output: StructuredOutput | None = None):
-        self.config = EngineConfig(   # every option checked, by name: nothing loaded yet
+                 seed: int | None = DEFAULTS.seed, max_model_len: int | None = DEFAULTS.max_model_len,
+                 structured_output: StructuredOutput | None = None, **vllm_spelling):
+        """Each keyword is a row of the options table; vLLM's spelling of a row is accepted too
+        (enable_prefix_caching=, quantization=, kv_cache_memory_bytes=: EngineConfig.vllm_names())."""
+        if structured_output is not None and not isinstance(structured_output, StructuredOutput):
+            raise TypeError(f"structured_output must be a minivllm.structured.StructuredOutput or None, "
+                            f"got {type(structured_output).__name__}")
+        options = dict(
             kv_memory=kv_memory, block_size=block_size, prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens, draft_model=draft_model, quant=quant,
             group_size=group_size, quant_head=quant_head, compile=compile,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
-        self.lora = LoRA(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None   # Chapter 17
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, seed=seed, max_model_len=max_model_len)
+        self.config = EngineConfig(**from_vllm(options, vllm_spelling))   # every option checked: nothing loaded yet
+        c = self.config
+        self.lora = LoRA(c.max_loras, c.max_lora_rank, c.max_cpu_loras) if c.enable_lora else None   # Chapter 17
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         self.folder = model_folder(model)
@@ -129,12 +185,19 @@ class LLM(LLMEngine):
                 runner, self.folder, self.config.pool_bytes, self.config.block_size,
                 [] if self.config.draft_model else [WeightFormat("int4", 32)])
         LLMEngine.__init__(self, model or DEFAULT_MODEL, tokenizer, output, runner, scheduler)
+        if self.config.max_model_len is not None:   # vLLM's bound on prompt + output, below the model's own
+            self.context_length = self.config.max_model_len
+        self._seeds = itertools.count()             # LLM(seed=): request i without a seed gets one from (seed, i)
+        close_at_exit(self)                         # its worker processes too, close() called or not
         print("[engine] ready", flush=True)
 
     def _runner(self, device: torch.device, dtype: torch.dtype) -> ModelRunner:
         """The weights, loaded with the steps that change them, on a KV pool: one process's runner,
         a tensor-parallel group's (Chapter 14) or one that replays CUDA graphs (Chapter 15)."""
         config, full = self.config, ModelConfig.from_folder(self.folder)
+        if config.max_model_len is not None and config.max_model_len > full.max_position_embeddings:
+            raise ValueError(f"max_model_len must be at most the model's context window, "
+                             f"{full.max_position_embeddings} tokens, got {config.max_model_len}")
         # Chapter 15: on one GPU the pool takes what the weights leave, sized once they are in (with
         # several ranks, or a draft model's weights and pool still to come, the fixed default).
         sized_later = config.kv_memory is None and device.type == "cuda" and not config.tensor_parallel_size \
@@ -197,38 +260,57 @@ class LLM(LLMEngine):
         lora_request (Chapter 17) names the adapter its rows apply; None: the base model."""
         if max_new_tokens is None:
             max_new_tokens = (params.max_tokens if params and params.max_tokens else None) or DEFAULT_MAX_TOKENS
+        if self.config.seed is not None and (params is None or params.seed is None):
+            seed = (self.config.seed * 0x9E3779B97F4A7C15 + next(self._seeds)) % (1 << 63)
+            params = dataclasses.replace(SamplingParams.or_default(params), seed=seed)
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.add(lora_request) if lora_request is not None else None   # read once, checked
-        r = super().new_request(prompt, max_new_tokens, params, arrival)
+        r = super().new_request(prompt_input(prompt), max_new_tokens, params, arrival)
         if adapter is not None:
             r.adapter = adapter
             self.lora.hold(adapter)     # let go when the request leaves (LoRARunner.release)
         return r
 
-    def generate(self, prompt, max_new_tokens: int | SamplingParams | None = None,
-                 params: SamplingParams | None = None, lora_request=None):
-        """One prompt -> a GenerateResult; a list of prompts -> a list (vLLM's `generate(prompts,
-        sampling_params, lora_request=...)` reads the same: one LoRARequest for all, or one each)."""
-        if isinstance(max_new_tokens, SamplingParams):
+    def generate(self, prompt, max_new_tokens: int | SamplingParams | list | None = None,
+                 params: SamplingParams | list[SamplingParams] | None = None, lora_request=None, *,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None):
+        """One prompt -> a GenerateResult; a list of prompts -> a list. vLLM's call reads the same:
+        `generate(prompts, sampling_params)` or `generate(prompts, sampling_params=sp)`, with one
+        SamplingParams or a list of them, one per prompt, and `lora_request=` (Chapter 17: one
+        LoRARequest for all, or one each). A prompt is text, token ids, or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}."""
+        if sampling_params is not None:
+            if params is not None:
+                raise TypeError("generate() got both params and sampling_params; give one")
+            params = sampling_params
+        if isinstance(max_new_tokens, (SamplingParams, list, tuple)):
             max_new_tokens, params = None, max_new_tokens
         if isinstance(prompt, (list, tuple)) and not all(isinstance(t, int) for t in prompt):
             return self.generate_batch(list(prompt), max_new_tokens, params, lora_request)
+        if isinstance(params, (list, tuple)):
+            if len(params) != 1:
+                raise ValueError(f"params: {len(params)} SamplingParams for one prompt")
+            params = params[0]
         if isinstance(lora_request, (list, tuple)):
             raise ValueError("one prompt takes one lora_request, not a list")
         return self.submit_all([self.new_request(prompt, max_new_tokens, params, None, lora_request)])[0].result()
 
     def generate_batch(self, prompts: list, max_new_tokens: int | None = None,
-                       params: SamplingParams | None = None, lora_request=None) -> list[GenerateResult]:
+                       params: SamplingParams | list[SamplingParams] | None = None,
+                       lora_request=None) -> list[GenerateResult]:
         if lora_request is None:
             return super().generate_batch(prompts, max_new_tokens, params)
         check_prompts(prompts)
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts need 1 or {len(prompts)} lora_requests, got {len(loras)}")
+        each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need 1 or {len(prompts)} SamplingParams, got {len(each)}")
         t0 = time.perf_counter()
-        streams = self.submit_all([self.new_request(p, max_new_tokens, params, t0, lora)
-                                   for p, lora in zip(prompts, loras)])
+        streams = self.submit_all([self.new_request(p, max_new_tokens, sp, t0, lora)
+                                   for p, sp, lora in zip(prompts, each, loras)])
         try:
             return [s.result() for s in streams]
         finally:          # one failed, or the caller was interrupted: nothing keeps running
@@ -240,12 +322,14 @@ class LLM(LLMEngine):
         yield from self.submit_all([self.new_request(prompt, max_new_tokens, params, None, lora_request)])[0]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             max_new_tokens: int | None = None):
+             max_new_tokens: int | None = None, *, sampling_params: SamplingParams | None = None):
         """A conversation (or a list of them) in the model's chat template, tokenised once, the
         text of each message read as text: a user who types "<|im_start|>" forges no turn."""
+        params = sampling_params if params is None else params
         if messages and isinstance(messages[0], (list, tuple)):
-            return self.generate_batch([chat_ids(self.tokenizer, list(m)) for m in messages], max_new_tokens, params)
-        return self.generate(chat_ids(self.tokenizer, list(messages)), max_new_tokens, params)
+            return self.generate_batch([chat_ids(self.tokenizer, check_messages(m)) for m in messages],
+                                       max_new_tokens, params)
+        return self.generate(chat_ids(self.tokenizer, check_messages(messages)), max_new_tokens, params)
 
     def close(self) -> None:
         """Stop the engine loop and every process it started; what is in flight fails. Idempotent."""

@@ -65,6 +65,8 @@ class Request:
         if self.adapter is None:
             return self.params.cache_salt
         return ("lora", self.adapter.key, self.params.cache_salt)
+    held_back: tuple[int, ...] = ()               # ids that may not come before min_tokens (EOS, stop ids)
+    prompt: str | None = None                     # the prompt's text, when it came as text
 
     @property
     def n_prompt(self) -> int:
@@ -108,7 +110,7 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     device, or on whether speculation (Chapter 10) guessed it: one rule for every drawn token.
     """
     adjusted = sampling.adjust_logits(logits, [r.params for r in requests], [r.history for r in requests])
-    adjusted = constrain(adjusted, requests)
+    adjusted = hold_back(constrain(adjusted, requests), requests)   # min_tokens: EOS and stop ids wait
     chosen = sampling.greedy(adjusted)
     drawn = [i for i, r in enumerate(requests) if not r.params.is_greedy]
     if drawn:   # one race for every sampled row of the step; nothing waits for the device until .tolist()
@@ -144,6 +146,20 @@ def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
+# --8<-- [start:hold-back]
+def hold_back(logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
+    """vLLM's min_tokens: -inf for EOS and the stop token ids of each row whose request has fewer
+    than min_tokens new tokens (ahead: guesses before this row, Chapter 10's verification)."""
+    rows = [i for i, r in enumerate(requests) if getattr(r, "held_back", ()) and len(r.new_ids) + ahead < r.params.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()   # never in place: the raw logits still give log-probabilities
+    for i in rows:
+        logits[i, list(requests[i].held_back)] = float("-inf")
+    return logits
+# --8<-- [end:hold-back]
+
+
 def unpack_bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, words] int32 -> [rows, vocab] bools, on the words' device: bit j of word w is token 32w + j."""
     bits = torch.arange(32, dtype=torch.int32, device=words.device)
@@ -165,6 +181,16 @@ def logprob_tokens(r: Request) -> int:
     return r.detok.tokens_in_text if r.detok.stopped else len(r.new_ids)
 
 
+def stop_reason(r: Request) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the request (None: EOS, the budget)."""
+    if r.finish_reason != "stop":
+        return None
+    if r.detok.stopped:
+        return r.detok.stop_found
+    last = r.new_ids[-1] if r.new_ids else None
+    return last if last in r.params.stop_token_ids else None
+
+
 # --8<-- [start:output-processor]
 class OutputProcessor:
     """Token ids in, text and results out, the same for every engine from here on: it builds
@@ -184,7 +210,9 @@ class OutputProcessor:
         params = SamplingParams.or_default(params)
         budget = params.token_budget(max_new_tokens)
         ids = tokenize(self.tokenizer, prompt, budget, context_length, self.vocab_size)
-        return self.new_request(ids, params, budget, arrival)
+        r = self.new_request(ids, params, budget, arrival)
+        r.prompt = prompt if isinstance(prompt, str) else None
+        return r
     # --8<-- [end:request-for]
 
     def new_request(self, prompt_ids: list[int], params: SamplingParams, budget: int,
@@ -197,10 +225,12 @@ class OutputProcessor:
                 raise ValueError(NO_STRUCTURED_OUTPUT)
             constraint = self.structured_output.constraint(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                            params.structured)
+        held = (tuple(self.eos_token_ids) if params.stops_on_eos else ()) + params.stop_token_ids \
+            if params.min_tokens else ()
         return Request(next(self._ids), list(prompt_ids), params, budget,
-                       IncrementalDetokenizer(self.tokenizer, params.stop),
+                       IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
                        new_seed() if params.seed is None else params.seed, history=history,
-                       logprobs=None if params.logprobs is None else [], constraint=constraint,
+                       logprobs=None if params.logprobs is None else [], constraint=constraint, held_back=held,
                        **({} if arrival is None else {"arrival": arrival}))
     # --8<-- [end:output-processor]
 
@@ -211,10 +241,11 @@ class OutputProcessor:
         r.t_first, r.t_last = r.t_first or now, now
         if r.history is not None:
             r.history.add(token_id)
-        piece = r.detok.add(token_id)
+        stop_id = token_id in r.params.stop_token_ids and len(r.new_ids) > r.params.min_tokens
+        piece = "" if stop_id else r.detok.add(token_id)   # a stop token id's text is not the answer's
         if r.constraint is not None and not r.constraint.accept(token_id):
             raise RuntimeError(f"token {token_id} breaks the request's grammar: was its row masked?")
-        if r.detok.stopped or (token_id in self.eos_token_ids and r.params.stops_on_eos):
+        if stop_id or r.detok.stopped or (token_id in self.eos_token_ids and r.params.stops_on_eos):
             r.finish_reason = "stop"        # the EOS / stop-completing token stays in new_ids
         elif len(r.new_ids) >= r.budget:
             r.finish_reason = "length"
@@ -235,6 +266,7 @@ class OutputProcessor:
             cached_tokens=r.cached_tokens,
             **({"draft_tokens": r.num_drafted, "accepted_tokens": r.num_accepted} if r.num_drafted else {}))
         return GenerateResult(text=r.detok.text, output_ids=list(r.new_ids), metrics=metrics,
-                              finish_reason=r.finish_reason or "length",
+                              finish_reason=r.finish_reason or "length", prompt=r.prompt,
+                              prompt_token_ids=list(r.prompt_ids), stop_reason=stop_reason(r),
                               logprobs=None if r.logprobs is None else list(r.logprobs[:logprob_tokens(r)]))
     # --8<-- [end:metrics]

@@ -1,4 +1,4 @@
-"""Chapter 1: sampling. Logits in, one token id out: greedy, temperature, top-k, top-p, and the
+"""Chapter 1: sampling. Logits in, one token id out: greedy, temperature, top-k, top-p, min-p, and the
 adjustments a request may ask for first (logit bias, repetition, presence and frequency
 penalties), plus the log-probabilities a client can read back.
 
@@ -55,6 +55,17 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 # --8<-- [end:top-p]
+
+
+# --8<-- [start:min-p]
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's min_p: drop every token whose probability is below min_p times the likeliest's.
+    In logits, p_i < min_p * p_max is logit_i < logit_max + log(min_p). min_p = 0 keeps everything."""
+    if min_p <= 0:
+        return logits
+    floor = logits.max(dim=-1, keepdim=True).values + torch.log(torch.tensor(min_p, dtype=logits.dtype))
+    return logits.masked_fill(logits < floor, float("-inf"))
+# --8<-- [end:min-p]
 
 
 # --8<-- [start:penalties]
@@ -216,6 +227,7 @@ def probabilities(logits: torch.Tensor, params) -> torch.Tensor:
     logits = apply_temperature(logits.float(), params.temperature)
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
+    logits = min_p_filter(logits, params.min_p)      # vLLM's; after temperature, as vLLM applies it
     return logits.softmax(dim=-1)
 # --8<-- [end:sample]
 # --8<-- [end:functions]

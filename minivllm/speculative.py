@@ -23,7 +23,7 @@ from minivllm.kv_cache import KVPool, PoolFullError
 from minivllm.model import LlamaModel
 from minivllm.model_files import resolve_model
 from minivllm.model_runner import ModelRunner, load_model
-from minivllm.output import Request, constrain, sample
+from minivllm.output import Request, constrain, hold_back, sample
 
 # Tokens one verification step may feed the model across all requests, guesses included. With a
 # few dozen rows a CPU's matmuls already wait on arithmetic, not memory (Chapter 4), so a guess
@@ -204,6 +204,7 @@ def accept_guesses(logits: torch.Tensor, r: Request, seed: int | None = None) ->
             row = sampling.adjust_logits(row.unsqueeze(0), [params], [history])[0]
         if grammar is not None:
             row = constrain(row.unsqueeze(0), [r])[0]   # a guess it forbids is never the model's token
+        row = hold_back(row.unsqueeze(0), [r], ahead=j)[0]   # min_tokens: no EOS this early
         if params.is_greedy:
             token = int(row.argmax())
         else:

@@ -23,8 +23,10 @@ class IncrementalDetokenizer:
     still being spelled out, and not text that might be the start of a stop string.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, tuple(stop), min_tokens
+        self.floor = 0          # min_tokens: a stop string must end after this character (vLLM's rule)
+        self.stop_found: str | None = None
         self.ids: list[int] = []
         self.text = ""          # all text so far (cut at the stop string once one is seen)
         self.released = 0       # how many characters of self.text were handed out
@@ -37,9 +39,13 @@ class IncrementalDetokenizer:
         self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if self.text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
             return ""
-        hits = [self.text.find(s) for s in self.stop if s in self.text]
-        if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
+        if len(self.ids) < self.min_tokens:    # vLLM's min_tokens: no stop string ends the answer yet
+            self.floor = len(self.text)
+        found = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, self.floor - len(s) + 1))) >= 0] \
+            if len(self.ids) >= self.min_tokens else []
+        if found:
+            at, self.stop_found = min(found)
+            self.text, self.stopped = self.text[:at], True
             self.tokens_in_text = next((m for m in range(len(self.ids) + 1) if len(self.tokenizer.decode(
                 self.ids[:m], skip_special_tokens=True)) >= len(self.text)), len(self.ids))
             return self._release(len(self.text))

@@ -42,7 +42,7 @@ def test_defaults_are_greedy():
     ({"top_p": float("nan")}, "top_p"),
     ({"seed": 2**70}, "seed"),
     ({"seed": -(2**63) - 1}, "seed"),
-    ({"stop": ("a", "b", "c", "d", "e")}, "stop"),
+    ({"stop": ("a",) * (MAX_STOP_STRINGS + 1)}, "stop"),
     ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):

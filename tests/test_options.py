@@ -22,7 +22,7 @@ from minivllm.block_manager import BlockManager
 
 TABLE = EngineConfig.table()
 CHAPTER_ONE = ("model", "device", "dtype")          # every engine's, not options of the assembled one
-PARTS = ("structured_output",)                     # a collaborator handed in, not a value
+PARTS = ("structured_output", "vllm_spelling")     # a collaborator handed in; vLLM's spellings of the rows
 
 
 class Parsed(Exception):

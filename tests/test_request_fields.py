@@ -3,6 +3,7 @@ the same way, enforce each bound, and say the same words when they refuse."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -77,7 +78,7 @@ def validate(model, name: str, value):
 
 
 def test_every_field_is_in_the_table_with_its_help():
-    assert list(REQUEST_FIELDS) == list(SamplingParams.__dataclass_fields__)
+    assert list(REQUEST_FIELDS) == [f.name for f in dataclasses.fields(SamplingParams)]
     for spec in REQUEST_FIELDS.values():
         assert spec.help and spec.default == getattr(SamplingParams(), spec.name)
 
@@ -114,6 +115,8 @@ def sized_value(spec, items: int, chars: int):
     """A value for a sized field: `items` entries (a list's), each a text of `chars` characters."""
     if spec.name == "logit_bias":
         return {token: 1.0 for token in range(items)}
+    if spec.name == "stop_token_ids":
+        return list(range(items))
     text = "x" * chars
     return [text] * items if spec.max_items is not None else text
 

@@ -195,7 +195,7 @@ BAD_REQUESTS = [
      b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', "temperature"),
     ("top_p NaN", "/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p"),
     ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
-    ("five stop strings", "/v1/completions", {"prompt": "hi", "stop": list("abcde")}, "stop"),
+    ("65 stop strings", "/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, "stop"),
     ("a 10,000-character stop", "/v1/completions", {"prompt": "hi", "stop": "x" * 10_000}, "stop"),
     ("temperature 1e-300", "/v1/completions", {"prompt": "hi", "temperature": 1e-300}, "temperature"),
     ("repetition_penalty 1e-300", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-300},
@@ -204,8 +204,6 @@ BAD_REQUESTS = [
      b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
     ("a lone surrogate in a prompt", "/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt"),
     ("a lone surrogate as the model", "/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', "model"),
-    ("a message's name", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages"),
     ("vLLM's min_tokens", "/v1/completions", {"prompt": "hi", "min_tokens": 5}, "min_tokens"),
     ("vLLM's stop_token_ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": [2]}, "stop_token_ids"),
     ("add_generation_prompt false", "/v1/chat/completions", {"messages": HELLO, "add_generation_prompt": False},
@@ -257,7 +255,7 @@ def test_bad_input_is_a_400_in_openai_shape(client, name, path, body, param):
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert error["type"] == "invalid_request_error" and error["code"] == "400"
     assert error["param"] == param
 # --8<-- [end:bad-inputs]
 
@@ -309,7 +307,7 @@ def test_text_parts_developer_role_and_the_model_field(client, tiny_engine):
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(client):
-    assert client.get("/v1/nothing").json()["error"]["code"] == 404
+    assert client.get("/v1/nothing").json()["error"]["code"] == "unknown_route"
     assert client.get("/v1/chat/completions").status_code == 405
 
 
