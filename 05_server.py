@@ -399,20 +399,6 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
-def add_lora_modules(engine, modules: list[str]) -> None:
-    """Chapter 17: each NAME=PATH read and checked now, named as a model a request may pick."""
-    from minivllm.lora import LoRARequest
-
-    if modules and not engine.capabilities().serves_adapters:
-        raise ValueError("--lora-modules needs an engine that serves adapters: minivllm:LLM with --enable-lora")
-    first = max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
-    for i, module in enumerate(modules, start=first):
-        name, sep, path = module.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
-        engine.add_lora(LoRARequest(name, i, path))
-
-
 def main() -> None:
     parser = arguments()
     args = parser.parse_args()
@@ -425,7 +411,7 @@ def main() -> None:
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
         engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
-        add_lora_modules(engine, args.lora_modules)
+        server_ops.add_lora_modules(engine, args.lora_modules)
     except ValueError as exc:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
