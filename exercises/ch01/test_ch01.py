@@ -2,7 +2,7 @@
 
 import torch
 
-from harness import catches, given, patched, within
+from harness import catches, patched, within
 from minivllm import sampling
 
 LOGITS = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])

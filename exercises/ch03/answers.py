@@ -14,8 +14,6 @@ TINY_KV_BYTES_PER_TOKEN = None
 
 # Exercise 3.2 (predict, then count). SmolLM2-135M, the decode step that makes token 201: how
 # many times more FLOPs without the cache than with it (08_kv_cache.step_flops)? Tolerance: 10 %.
-# weights per token), with it one token; but the LM head (49152 x 576 = 28 M) runs for the last
-# position only, either way: (200 x 106 + 28) / (106 + 28) is about 158.
 FLOPS_RATIO_AT_200 = None
 
 

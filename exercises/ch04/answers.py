@@ -9,15 +9,12 @@ import dataclasses
 # Exercise 4.1 (predict, then count). SmolLM2-135M in float32, one decode step, batch 1,
 # 512 cached tokens: its arithmetic intensity in FLOP/byte (08_roofline.decode_step_cost).
 # Tolerance: 20 %.
-# a little less because the cached keys and values are read too.
 DECODE_INTENSITY_BATCH_1 = None
 
 
 # Exercise 4.2 (predict, then count). A machine of 100 GB/s and 500 GFLOP/s (float32), SmolLM2,
 # 512 cached tokens: the smallest decode batch that reaches the ridge (08_roofline.bend_batch).
 # Tolerance: 30 %.
-# and reads its own 513 x 46 KB = 23.6 MB of KV; the 538 MB of weights are shared. So
-# 304 B / (538 + 23.6 B) = 5 gives B = 14.5: the KV reads, not the weights, set the bend.
 BEND_BATCH = None
 
 

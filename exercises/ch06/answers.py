@@ -9,7 +9,6 @@ import torch
 # Exercise 6.1 (predict, then measure). The tests' tiny model (tests/conftest.py: vocabulary
 # 49152, hidden 64, MLP 128, 2 layers, 4 query heads and 2 KV heads of 16, tied embeddings):
 # how many parameters does LlamaModel.num_parameters count? Tolerance: 1 %.
-# o 64x64, gate, up and down 3 x 64x128, two norms of 64; one final norm.
 TINY_PARAMETERS = None
 
 

@@ -14,7 +14,6 @@ BLOCKS_IN_USE = None
 # Exercise 7.2 (predict, then measure). A fresh BlockManager(8, 16): sequence 0 allocates 16
 # tokens, sequence 1 allocates 4, then sequence 0 appends 5 tokens (append_slot five times).
 # What slot does the last append return? Tolerance: exact.
-# offset 4 in it: slot 2 x 16 + 4.
 SLOT_OF_TOKEN_20 = None
 
 

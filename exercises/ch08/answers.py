@@ -12,7 +12,6 @@ CACHED_SHARED_40 = None
 
 # Exercise 8.2 (predict, then measure). The same, but the second prompt is identical to the
 # first and both are 48 tokens: exactly three full blocks. Tolerance: exact.
-# first output token: 2 blocks.
 CACHED_IDENTICAL_48 = None
 
 

@@ -8,13 +8,11 @@ import torch
 
 # Exercise 12.1 (predict, then measure). A [128, 256] float32 layer as Int4Weight(w, 32), the fast
 # path: how many bytes does it hold (.nbytes)? Tolerance: exact.
-# zero: 128 x 8 groups x 2 x 2 bytes = 4 096.
 INT4_BYTES = None
 
 
 # Exercise 12.2 (predict, then measure). A row of 4096 random weights whose largest magnitude is
 # 1.27, quantised per channel to int8 and back: the largest absolute error. Tolerance: 10 %.
-# weights some land close to that.
 INT8_MAX_ERROR = None
 
 

@@ -29,12 +29,8 @@ class ChunkCapScheduler(Scheduler):
         self.cap = cap
 
     def schedule(self):
-        saved = self.max_num_batched_tokens
-        out = None
-        try:
-            out = super().schedule()
-        finally:
-            self.max_num_batched_tokens = saved
+        """The step as the Scheduler plans it, with every prefill chunk cut to the cap."""
+        out = super().schedule()
         for i, n in enumerate(out.lengths):
             r = out.requests[i]
             if n > self.cap:          # give back the slots past the cap; they come in a later step
