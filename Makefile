@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make run    venv + install + model fetch + python 04_engine.py
-#   make test   venv + install + model fetch + the whole test suite (incl. the strict book build)
+#   make test   venv + install + model fetch + the whole test suite (incl. the strict book build),
+#               then the exercises' shipped solutions (exercises/README.md)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -29,6 +30,7 @@ setup: install
 
 test: model
 	$(PY) -m pytest -q
+	EXERCISES=solutions $(PY) -m pytest -q exercises
 
 test-fast: install
 	$(PY) -m pytest -q -m "not real_model"
