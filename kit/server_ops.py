@@ -14,7 +14,8 @@ in one place that `make_app` installs with one call:
   ends a request that runs too long, with an error the client sees.
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
-- One access-log line per request (never the prompt text; control characters escaped).
+- With `--access-log`, one log line per request (never the prompt text; control characters
+  escaped). Off by default: a class of thirty streams writes a hundred lines a second.
 - The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler, and
   the URLs to give a class, printed as the server starts (`startup_lines`).
 
@@ -298,6 +299,7 @@ class ServerOps:
     body_timeout: float = 30.0
     shutdown_grace: float = 10.0
     retry_after_s: int = 1
+    access_log: bool = False         # one line per request on the log: off unless asked (--access-log)
 
     def __post_init__(self):
         keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
@@ -325,7 +327,7 @@ class ServerOps:
         return cls(api_key=tuple(keys) or None, metrics_key=args.metrics_key or None,
                    allowed_hosts=served_hosts(args.host, args.allowed_hosts), max_waiting=args.max_waiting,
                    request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                   shutdown_grace=args.shutdown_grace)
+                   shutdown_grace=args.shutdown_grace, access_log=args.access_log)
 
     # --8<-- [start:install]
     def install(self, app: FastAPI, engine, api_error: type) -> None:
@@ -524,7 +526,21 @@ def startup_lines(engine_spec: str, host: str, port: int, api_key: str | None = 
     lines.append(f"[server] API base URL: {(urls or [f'http://127.0.0.1:{port}/'])[0]}v1")
     if api_key:
         lines.append("[server] --api-key is set: the page asks for the key once; give it to the class")
+    elif not is_loopback(host):   # the README's classroom command without its key: say so, loudly
+        lines.append(f"[server] WARNING: bound to {'every interface' if every else url_host(host)} with no --api-key: "
+                     "anyone who reaches this port may use the engine and read its pages; add --api-key KEY")
     return "\n".join(lines)
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches: localhost, 127.x, ::1."""
+    name = host_name(host)
+    if name in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:   # a host name: it may resolve to anything
+        return False
 # --8<-- [end:urls]
 
 
@@ -619,6 +635,8 @@ class _OpsMiddleware:
                 m.ttft.observe(rec.ttft_s)
             if rec.status == 200:
                 ops._served += 1
+        if not ops.access_log:
+            return
         ttft = f"{rec.ttft_s * 1000:.0f}ms" if rec.ttft_s is not None else "-"
         queue = f"{rec.queue_s * 1000:.0f}ms" if rec.queue_s is not None else "-"
         access_log.info("%s %s %d prompt=%d output=%d queue=%s ttft=%s total=%.0fms%s", rec.id, printable(rec.route),
@@ -652,6 +670,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "error the client sees (default: off, a request runs until its max_tokens)")
     parser.add_argument("--body-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=30.0,
                         help="seconds a client has to send its whole request body; past it: 408 (default: 30)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log one line per request: its id, route, status, tokens, queue, TTFT and time, never "
+                             "its text (default: off)")
     parser.add_argument("--shutdown-grace", type=cli.number(low=0, high=MAX_TIMEOUT_S), default=10.0,
                         help="seconds running requests get to finish on SIGTERM/Ctrl-C (default: 10)")
 

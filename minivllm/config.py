@@ -27,6 +27,7 @@ MAX_TENSOR_PARALLEL = 64                                        # Chapter 14: pr
 DEFAULT_KV_MEMORY = 512 << 20                                   # 728 blocks of 16: 11,648 tokens of the default model
 DEFAULT_BLOCK_SIZE = 16                                         # vLLM's default
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9                            # Chapter 15: vLLM's default fraction of a GPU
+MAX_THREADS = 1024                                              # torch's CPU threads: more than any machine here
 # --8<-- [end:constants]
 
 
@@ -119,6 +120,9 @@ class EngineConfig:
     gpu_memory_utilization: float = option(
         DEFAULT_GPU_MEMORY_UTILIZATION, "fraction", "the share of the GPU's memory the engine may use, weights, "
         "KV pool and a step's activations together, when kv_memory is not given", 15)
+    threads: int | None = option(
+        None, "int", "torch's CPU threads for the whole process, set before the model loads (default: torch's "
+        "choice; 1 is steadier on a busy, shared machine)", 1, low=1, high=MAX_THREADS, none=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):

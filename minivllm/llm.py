@@ -91,14 +91,16 @@ class LLM(LLMEngine):
                  compile: bool = DEFAULTS.compile, tensor_parallel_size: int | None = DEFAULTS.tensor_parallel_size,
                  enforce_eager: bool | None = DEFAULTS.enforce_eager,
                  gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization,
-                 structured_output: StructuredOutput | None = None):
+                 threads: int | None = DEFAULTS.threads, structured_output: StructuredOutput | None = None):
         self.config = EngineConfig(   # every option checked, by name: nothing loaded yet
             kv_memory=kv_memory, block_size=block_size, prefix_caching=prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens, draft_model=draft_model, quant=quant,
             group_size=group_size, quant_head=quant_head, compile=compile,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization, threads=threads)
+        if self.config.threads is not None:   # process-wide, as OMP_NUM_THREADS is: before any kernel runs
+            torch.set_num_threads(self.config.threads)
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         self.folder = model_folder(model)

@@ -191,7 +191,8 @@ def test_request_timeout_ends_a_stream_with_an_error_and_frees_its_work(tiny_eng
 def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
     port = launcher.free_port()
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "05_server.py"), "--port", str(port),
-                             "--model", str(tiny_model_dir), "--device", "cpu", "--shutdown-grace", "1"],
+                             "--model", str(tiny_model_dir), "--device", "cpu", "--shutdown-grace", "1",
+                             "--access-log"],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -242,7 +243,8 @@ def test_metrics_label_routes_not_raw_paths_and_stay_small(tiny_engine):
 
 
 def test_the_access_log_escapes_control_characters(tiny_engine, caplog):
-    with TestClient(server.make_app(tiny_engine)) as c, caplog.at_level("INFO", logger="05_server.access"):
+    app = server.make_app(tiny_engine, ops=ops_lib.ServerOps(access_log=True))
+    with TestClient(app) as c, caplog.at_level("INFO", logger="05_server.access"):
         c.get("/x%0a2026-01-01 05_server.access forged 200")
         c.get("/y%00z%1b[31m")
     lines = [r.getMessage() for r in caplog.records if r.name == "05_server.access"]
