@@ -155,6 +155,7 @@ class OpenAIServer:
         try:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
+            server_ops.budget_set(sum(requested or self.default_budget(len(i)) for i in ids))   # its time bound
             if self.batching:
                 return [self.engine.new_request(i, requested or self.default_budget(len(i)), params) for i in ids]
             takes_ids = self.can.accepts_token_ids   # then tokenised once, here

@@ -10,8 +10,9 @@ in one place that `make_app` installs with one call:
 - Host names: only those the server was bound for (`--allowed-hosts`), against DNS rebinding.
 - Prometheus metrics at GET /metrics: requests (by route, never by raw path), tokens, TTFT,
   inter-token latency, queue time, and the engine's features.
-- Timeouts: a request body must arrive within `--body-timeout` seconds; `--request-timeout`
-  ends a request that runs too long, with an error the client sees.
+- Timeouts: a request body must arrive within `--body-timeout` seconds; a request that runs too
+  long is ended, with an error the client sees: past `--request-timeout` seconds, or by default
+  past a bound sized from its token budget (`time_limit`).
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
 - With `--access-log`, one log line per request (never the prompt text; control characters
@@ -83,6 +84,7 @@ class RequestRecord:
     draft_tokens: int = 0        # speculative decoding (Chapter 10): guesses verified, and kept
     accepted_tokens: int = 0
     pieces: int = 0              # text pieces streamed so far (about one token each)
+    budget_tokens: int = 0       # the tokens its prompts may generate in all: its default time bound
     ttft_s: float | None = None
     tenant: str | None = None    # which API key sent it (keys are tenants: their prefix caches are apart)
     queue_s: float | None = None
@@ -149,6 +151,13 @@ def failed(message: str, status: int) -> None:
     rec = _current.get()
     if rec is not None:
         rec.error, rec.status = message, status
+
+
+def budget_set(n_tokens: int) -> None:
+    """The tokens the request may generate in all (every prompt's budget): its default time bound."""
+    rec = _current.get()
+    if rec is not None:
+        rec.budget_tokens = n_tokens
 
 
 def prompt_read(n_tokens: int) -> None:
@@ -317,6 +326,16 @@ class ServerOps:
         self.shutting_down = False
         self._tokens: collections.deque = collections.deque()   # (time, tokens) for the live rate
         self._served = 0
+
+    # --8<-- [start:time-limit]
+    def time_limit(self, rec: RequestRecord) -> float:
+        """How long a generation may run: --request-timeout if given, else a bound from its budget,
+        slow enough for a busy laptop CPU (AUTO_TIMEOUT_PER_TOKEN_S a token), so that no request,
+        a list of 64 prompts included, holds the engine without end."""
+        if self.request_timeout:
+            return self.request_timeout
+        return min(MAX_TIMEOUT_S, AUTO_TIMEOUT_BASE_S + AUTO_TIMEOUT_PER_TOKEN_S * rec.budget_tokens)
+    # --8<-- [end:time-limit]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOps":
@@ -604,8 +623,7 @@ class _OpsMiddleware:
             async with anyio.create_task_group() as tg:
                 if generation:
                     ops.active.add(rec)
-                    if ops.request_timeout:
-                        tg.start_soon(self._deadline, rec)
+                    tg.start_soon(self._deadline, rec)   # always: a fixed bound, or one from the budget
                 with anyio.CancelScope() as rec.cancel:
                     await self.app(scope, receive, guarded_send)
                 tg.cancel_scope.cancel()
@@ -615,9 +633,12 @@ class _OpsMiddleware:
             self._finish(rec)
 
     async def _deadline(self, rec: RequestRecord) -> None:
-        await anyio.sleep(self.ops.request_timeout)
-        await self.ops._end(rec, 504, f"the request ran longer than --request-timeout "
-                                      f"{self.ops.request_timeout:g}s and was ended")
+        while (left := rec.start + self.ops.time_limit(rec) - time.monotonic()) > 0:
+            await anyio.sleep(min(left, 1.0))   # the budget is learnt after the body: read the bound again
+        limit = self.ops.time_limit(rec)
+        why = (f"--request-timeout {limit:g}s" if self.ops.request_timeout else
+               f"its time bound, {limit:g}s for {rec.budget_tokens} tokens (--request-timeout sets another)")
+        await self.ops._end(rec, 504, f"the request ran longer than {why} and was ended")
 
     def _finish(self, rec: RequestRecord) -> None:
         ops, total = self.ops, time.monotonic() - rec.start
@@ -645,6 +666,8 @@ class _OpsMiddleware:
 
 
 MAX_TIMEOUT_S = 24 * 3600   # every number bounded: a day is longer than any request here
+AUTO_TIMEOUT_BASE_S = 60.0        # the default bound: a minute, plus
+AUTO_TIMEOUT_PER_TOKEN_S = 0.5    # half a second per token of the request's budget (2 tokens/s at worst)
 MAX_API_KEYS = 1024
 
 
@@ -667,7 +690,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-num-seqs, else one); past it: 503 (default: no bound)")
     parser.add_argument("--request-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=None,
                         help="end a request that runs longer than this many seconds, streams included, with an "
-                             "error the client sees (default: off, a request runs until its max_tokens)")
+                             f"error the client sees (default: {AUTO_TIMEOUT_BASE_S:g} s plus "
+                             f"{AUTO_TIMEOUT_PER_TOKEN_S:g} s per token of its budget, max_tokens summed over "
+                             f"its prompts)")
     parser.add_argument("--body-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=30.0,
                         help="seconds a client has to send its whole request body; past it: 408 (default: 30)")
     parser.add_argument("--access-log", action="store_true",
