@@ -341,7 +341,8 @@ def create_app() -> FastAPI:
     apps around tiny engines) loads no model."""
     engine = load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE), os.environ.get("ENGINE_MODEL"))
     ops = server_ops.ServerOps(api_key=os.environ.get("ENGINE_API_KEY") or None,
-                               metrics_key=os.environ.get("ENGINE_METRICS_KEY") or None)
+                               metrics_key=os.environ.get("ENGINE_METRICS_KEY") or None,
+                               admin_key=os.environ.get("ENGINE_ADMIN_KEY") or None)
     return make_app(engine, ops=ops)
 # --8<-- [end:uvicorn-app]
 

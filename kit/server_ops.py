@@ -6,7 +6,8 @@ in one place that `make_app` installs with one call:
 - Admission: `AdmissionQueue`, the one place where requests wait for the engine (a FIFO lock
   for one-at-a-time engines) and where `--max-waiting` refuses them with 503 and Retry-After.
 - API keys: `--api-key` / ENGINE_API_KEY guards every /v1/* route (401 in OpenAI's shape), and
-  /metrics and /engine/stats too unless `--metrics-key` gives them a key of their own.
+  the page's /engine/stats and /engine/scheduler too; /metrics, the whole service's counts, takes
+  only `--metrics-key` (Prometheus') or `--admin-key` (the instructor's), which read every view.
 - Host names: only those the server was bound for (`--allowed-hosts`), against DNS rebinding.
 - Prometheus metrics at GET /metrics: requests (by route, never by raw path), tokens, TTFT,
   inter-token latency, queue time, and the engine's features.
@@ -301,7 +302,8 @@ class AdmissionQueue:
 class ServerOps:
     """The production settings; `install` wires them into an app."""
     api_key: str | tuple[str, ...] | None = None   # one key, or several: each key is a tenant
-    metrics_key: str | None = None   # /metrics and /engine/stats; None: the api_keys guard them
+    metrics_key: str | None = None   # /metrics and /engine/*; None: the api_keys guard /engine/*
+    admin_key: str | None = None     # the whole service's views: /metrics and /engine/*, never a tenant
     allowed_hosts: tuple[str, ...] | None = None   # Host header names served; None: any
     max_waiting: int | None = None
     request_timeout: float | None = None
@@ -316,6 +318,9 @@ class ServerOps:
                 or len(set(keys)) != len(keys):
             raise ValueError(f"API keys must be distinct printable words without spaces, at most {MAX_API_KEYS}")
         self.api_keys = keys
+        for name in ("metrics_key", "admin_key"):   # a tenant holding it would read every other tenant's views
+            if getattr(self, name) is not None and getattr(self, name) in keys:
+                raise ValueError(f"{name} must differ from every API key: a tenant would see the whole service")
         for name in ("max_waiting", "request_timeout", "shutdown_grace", "body_timeout"):
             value = getattr(self, name)
             if value is not None and not (0 <= value < float("inf")):
@@ -344,6 +349,7 @@ class ServerOps:
             keys += [line.strip() for line in open(args.api_keys_file, encoding="utf-8")
                      if line.strip() and not line.lstrip().startswith("#")]
         return cls(api_key=tuple(keys) or None, metrics_key=args.metrics_key or None,
+                   admin_key=args.admin_key or None,
                    allowed_hosts=served_hosts(args.host, args.allowed_hosts), max_waiting=args.max_waiting,
                    request_timeout=args.request_timeout, body_timeout=args.body_timeout,
                    shutdown_grace=args.shutdown_grace, access_log=args.access_log)
@@ -451,21 +457,27 @@ class ServerOps:
         keys) for /metrics, /engine/stats and /engine/scheduler, which tell how busy the server is
         and what it runs. True where no key is needed; else the tenant of the key given
         ("key-2" for the third --api-key), or False."""
+        # --8<-- [start:views]
+        service = tuple(k for k in (self.metrics_key, self.admin_key) if k)   # keys that see every tenant
         if path.startswith("/v1/"):
             keys = self.api_keys
-        elif path in ("/metrics", "/engine/stats", "/engine/scheduler"):
-            keys = (self.metrics_key,) if self.metrics_key else self.api_keys
+        elif path == "/metrics":   # every tenant's counts and latencies: never a tenant's key
+            keys = service or (("",) if self.api_keys else ())   # keyed tenants, no service key: nobody
+        elif path in ("/engine/stats", "/engine/scheduler"):
+            keys = service if self.metrics_key else self.api_keys + service
         else:
             keys = ()
+        # --8<-- [end:views]
         if not keys:
             return True
         scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
         # The scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"). Constant time: how
         # long a wrong key takes must not tell how much of it was right, nor which key it was near.
-        matches = [hmac.compare_digest(given.strip(), key.encode()) for key in keys]
+        matches = [bool(key) and hmac.compare_digest(given.strip(), key.encode()) for key in keys]
         if scheme.lower() != b"bearer" or not any(matches):
             return False
-        return f"key-{matches.index(True)}" if keys is self.api_keys else True
+        index = matches.index(True)
+        return f"key-{index}" if keys[index] in self.api_keys and keys[index] not in service else True
 
     def host_allowed(self, headers: dict[bytes, bytes]) -> bool:
         """Against DNS rebinding: a web page whose name an attacker points at 127.0.0.1 reaches a
@@ -680,8 +692,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", default=None, metavar="FILE",
                         help="more API keys, one per line (# starts a comment): one tenant each")
     parser.add_argument("--metrics-key", default=os.environ.get("ENGINE_METRICS_KEY"),
-                        help="the key for /metrics and /engine/stats, e.g. Prometheus' (default: $ENGINE_METRICS_KEY, "
-                             "else --api-key; without either they are open)")
+                        help="the key for /metrics and /engine/*, e.g. Prometheus' (default: $ENGINE_METRICS_KEY; "
+                             "without it /engine/* takes --api-key, /metrics only --admin-key, and with no key "
+                             "at all they are open)")
+    parser.add_argument("--admin-key", default=os.environ.get("ENGINE_ADMIN_KEY"),
+                        help="the instructor's or operator's key: reads /metrics and /engine/* for the whole "
+                             "service (default: $ENGINE_ADMIN_KEY); a tenant's --api-key never reads /metrics")
     parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                         help="Host header names to answer, comma-separated, '*' for any (default: localhost, "
                              "127.0.0.1, [::1] and --host; any name when --host is 0.0.0.0)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fastapi.testclient import TestClient
 
 from conftest import load_script
@@ -58,3 +60,21 @@ def test_every_generation_has_a_time_bound_from_its_budget(tiny_engine, monkeypa
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert "time bound, 0.8s for 100 tokens" in json.loads(events[-2])["error"]["message"]
         assert engine.closed.wait(10)
+
+
+def test_metrics_need_the_metrics_or_the_admin_key_never_a_tenants(tiny_engine):
+    bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731
+    ops = ops_lib.ServerOps(api_key=("alice", "bob"), admin_key="teacher")
+    with TestClient(server.make_app(tiny_engine, ops=ops)) as c:
+        assert c.get("/metrics", headers=bearer("alice")).status_code == 401
+        assert c.get("/metrics", headers=bearer("teacher")).status_code == 200
+        assert c.get("/metrics", headers={"Authorization": "Bearer "}).status_code == 401   # not the empty key
+        for path in ("/engine/stats", "/engine/scheduler"):
+            assert c.get(path, headers=bearer("teacher")).status_code == 200
+        assert c.get("/v1/models", headers=bearer("teacher")).status_code == 401   # a view key, not a tenant
+    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="alice"))) as c:
+        assert c.get("/metrics", headers=bearer("alice")).status_code == 401
+    with pytest.raises(ValueError, match="admin_key must differ"):
+        ops_lib.ServerOps(api_key="alice", admin_key="alice")
+    args = server.arguments().parse_args(["--admin-key", "teacher"])
+    assert ops_lib.ServerOps.from_args(args).admin_key == "teacher"

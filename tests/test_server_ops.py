@@ -226,13 +226,13 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
 def test_metrics_label_routes_not_raw_paths_and_stay_small(tiny_engine):
     """Made-up paths (404s, and 401s under a key) all count as one 'other' series: a client
     cannot grow /metrics, whose every scrape formats every series."""
-    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
-        small = len(c.get("/metrics", headers={"Authorization": "Bearer k"}).content)
+    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k", admin_key="a"))) as c:
+        small = len(c.get("/metrics", headers={"Authorization": "Bearer a"}).content)
         for i in range(300):
             assert c.get(f"/junk/{i}").status_code == 404
             assert c.get(f"/v1/junk/{i}").status_code == 401
         assert c.get("/static/../../etc/passwd").status_code == 404
-        text = c.get("/metrics", headers={"Authorization": "Bearer k"}).text
+        text = c.get("/metrics", headers={"Authorization": "Bearer a"}).text
     endpoints = {s.labels["endpoint"] for fam in text_string_to_metric_families(text) for s in fam.samples
                  if s.name == "llm_requests_total"}
     assert endpoints <= {"other", "/metrics", "/static"}, endpoints
@@ -300,7 +300,8 @@ def test_metrics_and_stats_need_a_key_when_the_api_has_one(tiny_engine):
     with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
         for path in ("/metrics", "/engine/stats", "/engine/scheduler"):
             assert c.get(path).status_code == 401
-            assert c.get(path, headers=bearer("k")).status_code == 200
+            # /metrics is the whole service's: a tenant's key never reads it, only --metrics/--admin-key
+            assert c.get(path, headers=bearer("k")).status_code == (401 if path == "/metrics" else 200)
         assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
         assert c.get("/v1/models", headers={"Authorization": "bearer k"}).status_code == 200   # any case
         assert c.get("/v1/models", headers={"Authorization": "BEARER  k"}).status_code == 200
