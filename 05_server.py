@@ -172,6 +172,7 @@ class OpenAIServer:
         try:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
+            server_ops.budget_set(sum(requested or self.default_budget(len(i)) for i in ids))   # its time bound
             if self.batching:
                 adapter = {"lora_request": lora} if lora is not None else {}   # Chapter 17
                 return [self.engine.new_request(i, requested or self.default_budget(len(i)), params, **adapter)
@@ -372,7 +373,8 @@ def create_app() -> FastAPI:
     apps around tiny engines) loads no model."""
     engine = load_engine(os.environ.get("ENGINE_CLASS", DEFAULT_ENGINE), os.environ.get("ENGINE_MODEL"))
     ops = server_ops.ServerOps(api_key=os.environ.get("ENGINE_API_KEY") or None,
-                               metrics_key=os.environ.get("ENGINE_METRICS_KEY") or None)
+                               metrics_key=os.environ.get("ENGINE_METRICS_KEY") or None,
+                               admin_key=os.environ.get("ENGINE_ADMIN_KEY") or None)
     return make_app(engine, ops=ops)
 # --8<-- [end:uvicorn-app]
 

@@ -45,11 +45,7 @@ def main() -> None:
     parser = demo_parser("Chapter 14: the assembled engine on N processes (tensor parallelism).")
     cli.add_engine_options(parser, only=("kv_memory", "block_size", "max_num_seqs", "max_num_batched_tokens",
                                          "tensor_parallel_size"))
-    parser.add_argument("--threads", type=cli.integer(1, 1024), default=None,
-                        help="torch CPU threads in all, shared out among the ranks (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parser.parse_args()   # --threads (demo_parser's): torch's threads in all, shared out among the ranks
     if os.environ.get("WORLD_SIZE", "1") != "1":          # started by torchrun: one process per rank
         args.tensor_parallel_size = int(os.environ["WORLD_SIZE"])
         if int(os.environ["RANK"]) != 0:

@@ -95,14 +95,14 @@ class _TorchThreads(argparse.Action):
 
 def add_model_flags(parser: argparse.ArgumentParser, device: bool = True, threads: bool = False) -> None:
     """--model (and --device, --threads): the flags of every script that loads a model.
-    --threads N sets torch's CPU threads as it is parsed. On a 2-core machine shared with
-    other work, torch's two threads mostly wait for each other; one thread is steadier."""
+    --threads N (the options table's row) sets torch's CPU threads as it is parsed. On a 2-core
+    machine shared with other work, torch's two threads mostly wait for each other; one is steadier."""
     parser.add_argument("--model", default=None, help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     if device:
         parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     if threads:
-        parser.add_argument("--threads", type=integer(1, 1024), default=None, action=_TorchThreads,
-                            help="torch CPU threads (default: torch's choice; 1 is steadier on a busy, shared machine)")
+        flag, spec = flag_for("threads", *EngineConfig.table()["threads"])
+        parser.add_argument(flag, **spec)
 
 
 def fraction(text: str) -> float:
@@ -129,6 +129,7 @@ def byte_size(text: str) -> int:
 # as a flag of 05_server.py and of both benchmarks (--kv-memory is kv_memory=...). Each flag is
 # made from the option's row in minivllm/config.py: its type, bounds, choices and help, written once.
 ENGINE_OPTIONS = (*EngineConfig.names(), "dtype")   # dtype: every engine's, from Chapter 1 on
+PROCESS_OPTIONS = ("threads",)   # the whole process's: applied as the flag is parsed, for every engine
 
 
 def flag_for(name: str, default, row: Option) -> tuple[str, dict]:
@@ -141,6 +142,8 @@ def flag_for(name: str, default, row: Option) -> tuple[str, dict]:
     else:
         spec = {"bytes": {"type": byte_size}, "fraction": {"type": fraction}, "text": {},
                 "flag": {"action": "store_true"}, "switch": {"action": "store_true"}}[row.kind]
+    if name in PROCESS_OPTIONS:   # torch's threads: set now, so that any engine, whatever it takes, runs on them
+        spec["action"] = _TorchThreads
     shown = "" if default is None or row.kind in ("flag", "switch") else f"; default {default}"
     return "--" + name.replace("_", "-"), {**spec, "default": None, "help": f"{row.help} (Chapter {row.chapter}{shown})"}
 
@@ -185,6 +188,8 @@ class _OnlyGroup:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The engine keywords given on the command line (only those given)."""
-    return {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    """The engine keywords given on the command line (only those given). --threads is not one:
+    it was applied to the whole process as it was parsed, so an engine without the keyword runs on it too."""
+    return {name: getattr(args, name) for name in ENGINE_OPTIONS
+            if name not in PROCESS_OPTIONS and getattr(args, name, None) is not None}
 # --8<-- [end:engine-options]

@@ -8,11 +8,15 @@ repository this package was installed from, with the command line as given.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+CLASSROOM_ENGINE = "minivllm:LLM"   # the batching engine: a class of students share its steps
 
 
 def _run(script: str) -> None:
@@ -27,7 +31,12 @@ def _run(script: str) -> None:
 
 
 def serve() -> None:
-    """minivllm-serve [flags of 05_server.py]: an OpenAI-compatible server on 127.0.0.1."""
+    """minivllm-serve [flags of 05_server.py]: an OpenAI-compatible server on 127.0.0.1, serving the
+    assembled, batching engine (minivllm:LLM) unless --engine or $ENGINE_CLASS names another. (05_server.py's
+    own default stays Chapter 1's engine, the one its chapter teaches.)"""
+    named = any(arg == "--engine" or arg.startswith("--engine=") for arg in sys.argv[1:])
+    if not named and not os.environ.get("ENGINE_CLASS"):
+        sys.argv[1:1] = ["--engine", CLASSROOM_ENGINE]
     _run("05_server.py")
 
 

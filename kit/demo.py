@@ -19,7 +19,7 @@ from minivllm.text import render_chat
 def demo_parser(description: str) -> argparse.ArgumentParser:
     """The command-line flags every engine script shares (later chapters add their own)."""
     parser = argparse.ArgumentParser(description=description)
-    cli.add_model_flags(parser)
+    cli.add_model_flags(parser, threads=True)
     parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the answer's budget in tokens (default %(default)s)")
@@ -102,8 +102,8 @@ def engine_main(engine_class: type[BaseOfflineEngine], description: str, **defau
     defaults: features switched on unless the command line says otherwise."""
     parser = demo_parser(description)
     takes = inspect.signature(engine_class).parameters
-    cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS   # --dtype: demo_parser's
-                                              if name in takes and name != "dtype"))
+    cli.add_engine_options(parser, only=tuple(name for name in cli.ENGINE_OPTIONS   # --dtype, --threads: demo_parser's
+                                              if name in takes and name not in ("dtype", "threads")))
     parser.set_defaults(**defaults)
     args = parser.parse_args()
     features = {name: value for name, value in cli.engine_options(args).items() if name != "dtype"}  # demo's own

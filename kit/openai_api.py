@@ -198,6 +198,15 @@ def field_for(name: str, nullable: bool = False):
 
 class SamplingFields(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")   # extras checked below
+
+    @field_validator("max_tokens", "max_completion_tokens", mode="before", check_fields=False)
+    @classmethod
+    def _whole_number(cls, value):
+        # JSON has one kind of number: 4.0 is the count 4 to OpenAI's API, so to ours; 4.5 is still refused
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
     model: str | None = None                  # omitted, or the served model's id
     max_tokens: int | None = field_for("max_tokens")
     temperature: float = field_for("temperature")   # 0 = greedy (OpenAI's default is 1)
@@ -332,9 +341,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):   # no such route
-            return await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path} is not "
-                                   f"a route of this server; it serves {', '.join(ROUTES)}", code="unknown_route"))
-        return await api_error(request, APIError(exc.status_code, unreadable(exc) or str(exc.detail)))
+            response = await api_error(request, APIError(exc.status_code, f"{request.method} {request.url.path} is "
+                                       f"not a route of this server; it serves {', '.join(ROUTES)}", code="unknown_route"))
+        else:
+            response = await api_error(request, APIError(exc.status_code, unreadable(exc) or str(exc.detail)))
+        response.headers.update(exc.headers or {})   # a 405's Allow (RFC 9110 requires it), a 401's challenge
+        return response
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         return await api_error(_, from_engine_error(exc))  # a JSON 500, and the server lives on

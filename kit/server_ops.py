@@ -6,15 +6,18 @@ in one place that `make_app` installs with one call:
 - Admission: `AdmissionQueue`, the one place where requests wait for the engine (a FIFO lock
   for one-at-a-time engines) and where `--max-waiting` refuses them with 503 and Retry-After.
 - API keys: `--api-key` / ENGINE_API_KEY guards every /v1/* route (401 in OpenAI's shape), and
-  /metrics and /engine/stats too unless `--metrics-key` gives them a key of their own.
+  the page's /engine/stats and /engine/scheduler too; /metrics, the whole service's counts, takes
+  only `--metrics-key` (Prometheus') or `--admin-key` (the instructor's), which read every view.
 - Host names: only those the server was bound for (`--allowed-hosts`), against DNS rebinding.
 - Prometheus metrics at GET /metrics: requests (by route, never by raw path), tokens, TTFT,
   inter-token latency, queue time, and the engine's features.
-- Timeouts: a request body must arrive within `--body-timeout` seconds; `--request-timeout`
-  ends a request that runs too long, with an error the client sees.
+- Timeouts: a request body must arrive within `--body-timeout` seconds; a request that runs too
+  long is ended, with an error the client sees: past `--request-timeout` seconds, or by default
+  past a bound sized from its token budget (`time_limit`).
 - Graceful shutdown: SIGTERM/Ctrl-C stops accepting, lets running requests finish for
   `--shutdown-grace` seconds, ends the rest with a final error event, and exits 0.
-- One access-log line per request (never the prompt text; control characters escaped).
+- With `--access-log`, one log line per request (never the prompt text; control characters
+  escaped). Off by default: a class of thirty streams writes a hundred lines a second.
 - The classroom page at GET / (static/), fed by GET /engine/stats and GET /engine/scheduler, and
   the URLs to give a class, printed as the server starts (`startup_lines`).
 
@@ -82,6 +85,7 @@ class RequestRecord:
     draft_tokens: int = 0        # speculative decoding (Chapter 10): guesses verified, and kept
     accepted_tokens: int = 0
     pieces: int = 0              # text pieces streamed so far (about one token each)
+    budget_tokens: int = 0       # the tokens its prompts may generate in all: its default time bound
     ttft_s: float | None = None
     tenant: str | None = None    # which API key sent it (keys are tenants: their prefix caches are apart)
     queue_s: float | None = None
@@ -148,6 +152,13 @@ def failed(message: str, status: int) -> None:
     rec = _current.get()
     if rec is not None:
         rec.error, rec.status = message, status
+
+
+def budget_set(n_tokens: int) -> None:
+    """The tokens the request may generate in all (every prompt's budget): its default time bound."""
+    rec = _current.get()
+    if rec is not None:
+        rec.budget_tokens = n_tokens
 
 
 def prompt_read(n_tokens: int) -> None:
@@ -291,13 +302,15 @@ class AdmissionQueue:
 class ServerOps:
     """The production settings; `install` wires them into an app."""
     api_key: str | tuple[str, ...] | None = None   # one key, or several: each key is a tenant
-    metrics_key: str | None = None   # /metrics and /engine/stats; None: the api_keys guard them
+    metrics_key: str | None = None   # /metrics and /engine/*; None: the api_keys guard /engine/*
+    admin_key: str | None = None     # the whole service's views: /metrics and /engine/*, never a tenant
     allowed_hosts: tuple[str, ...] | None = None   # Host header names served; None: any
     max_waiting: int | None = None
     request_timeout: float | None = None
     body_timeout: float = 30.0
     shutdown_grace: float = 10.0
     retry_after_s: int = 1
+    access_log: bool = False         # one line per request on the log: off unless asked (--access-log)
 
     def __post_init__(self):
         keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
@@ -305,6 +318,9 @@ class ServerOps:
                 or len(set(keys)) != len(keys):
             raise ValueError(f"API keys must be distinct printable words without spaces, at most {MAX_API_KEYS}")
         self.api_keys = keys
+        for name in ("metrics_key", "admin_key"):   # a tenant holding it would read every other tenant's views
+            if getattr(self, name) is not None and getattr(self, name) in keys:
+                raise ValueError(f"{name} must differ from every API key: a tenant would see the whole service")
         for name in ("max_waiting", "request_timeout", "shutdown_grace", "body_timeout"):
             value = getattr(self, name)
             if value is not None and not (0 <= value < float("inf")):
@@ -316,6 +332,16 @@ class ServerOps:
         self._tokens: collections.deque = collections.deque()   # (time, tokens) for the live rate
         self._served = 0
 
+    # --8<-- [start:time-limit]
+    def time_limit(self, rec: RequestRecord) -> float:
+        """How long a generation may run: --request-timeout if given, else a bound from its budget,
+        slow enough for a busy laptop CPU (AUTO_TIMEOUT_PER_TOKEN_S a token), so that no request,
+        a list of 64 prompts included, holds the engine without end."""
+        if self.request_timeout:
+            return self.request_timeout
+        return min(MAX_TIMEOUT_S, AUTO_TIMEOUT_BASE_S + AUTO_TIMEOUT_PER_TOKEN_S * rec.budget_tokens)
+    # --8<-- [end:time-limit]
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOps":
         keys = list(args.api_key or ([os.environ["ENGINE_API_KEY"]] if os.environ.get("ENGINE_API_KEY") else []))
@@ -323,9 +349,10 @@ class ServerOps:
             keys += [line.strip() for line in open(args.api_keys_file, encoding="utf-8")
                      if line.strip() and not line.lstrip().startswith("#")]
         return cls(api_key=tuple(keys) or None, metrics_key=args.metrics_key or None,
+                   admin_key=args.admin_key or None,
                    allowed_hosts=served_hosts(args.host, args.allowed_hosts), max_waiting=args.max_waiting,
                    request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                   shutdown_grace=args.shutdown_grace)
+                   shutdown_grace=args.shutdown_grace, access_log=args.access_log)
 
     # --8<-- [start:install]
     def install(self, app: FastAPI, engine, api_error: type) -> None:
@@ -430,21 +457,27 @@ class ServerOps:
         keys) for /metrics, /engine/stats and /engine/scheduler, which tell how busy the server is
         and what it runs. True where no key is needed; else the tenant of the key given
         ("key-2" for the third --api-key), or False."""
+        # --8<-- [start:views]
+        service = tuple(k for k in (self.metrics_key, self.admin_key) if k)   # keys that see every tenant
         if path.startswith("/v1/"):
             keys = self.api_keys
-        elif path in ("/metrics", "/engine/stats", "/engine/scheduler"):
-            keys = (self.metrics_key,) if self.metrics_key else self.api_keys
+        elif path == "/metrics":   # every tenant's counts and latencies: never a tenant's key
+            keys = service or (("",) if self.api_keys else ())   # keyed tenants, no service key: nobody
+        elif path in ("/engine/stats", "/engine/scheduler"):
+            keys = service if self.metrics_key else self.api_keys + service
         else:
             keys = ()
+        # --8<-- [end:views]
         if not keys:
             return True
         scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
         # The scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"). Constant time: how
         # long a wrong key takes must not tell how much of it was right, nor which key it was near.
-        matches = [hmac.compare_digest(given.strip(), key.encode()) for key in keys]
+        matches = [bool(key) and hmac.compare_digest(given.strip(), key.encode()) for key in keys]
         if scheme.lower() != b"bearer" or not any(matches):
             return False
-        return f"key-{matches.index(True)}" if keys is self.api_keys else True
+        index = matches.index(True)
+        return f"key-{index}" if keys[index] in self.api_keys and keys[index] not in service else True
 
     def host_allowed(self, headers: dict[bytes, bytes]) -> bool:
         """Against DNS rebinding: a web page whose name an attacker points at 127.0.0.1 reaches a
@@ -524,7 +557,21 @@ def startup_lines(engine_spec: str, host: str, port: int, api_key: str | None = 
     lines.append(f"[server] API base URL: {(urls or [f'http://127.0.0.1:{port}/'])[0]}v1")
     if api_key:
         lines.append("[server] --api-key is set: the page asks for the key once; give it to the class")
+    elif not is_loopback(host):   # the README's classroom command without its key: say so, loudly
+        lines.append(f"[server] WARNING: bound to {'every interface' if every else url_host(host)} with no --api-key: "
+                     "anyone who reaches this port may use the engine and read its pages; add --api-key KEY")
     return "\n".join(lines)
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches: localhost, 127.x, ::1."""
+    name = host_name(host)
+    if name in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:   # a host name: it may resolve to anything
+        return False
 # --8<-- [end:urls]
 
 
@@ -588,8 +635,7 @@ class _OpsMiddleware:
             async with anyio.create_task_group() as tg:
                 if generation:
                     ops.active.add(rec)
-                    if ops.request_timeout:
-                        tg.start_soon(self._deadline, rec)
+                    tg.start_soon(self._deadline, rec)   # always: a fixed bound, or one from the budget
                 with anyio.CancelScope() as rec.cancel:
                     await self.app(scope, receive, guarded_send)
                 tg.cancel_scope.cancel()
@@ -599,9 +645,12 @@ class _OpsMiddleware:
             self._finish(rec)
 
     async def _deadline(self, rec: RequestRecord) -> None:
-        await anyio.sleep(self.ops.request_timeout)
-        await self.ops._end(rec, 504, f"the request ran longer than --request-timeout "
-                                      f"{self.ops.request_timeout:g}s and was ended")
+        while (left := rec.start + self.ops.time_limit(rec) - time.monotonic()) > 0:
+            await anyio.sleep(min(left, 1.0))   # the budget is learnt after the body: read the bound again
+        limit = self.ops.time_limit(rec)
+        why = (f"--request-timeout {limit:g}s" if self.ops.request_timeout else
+               f"its time bound, {limit:g}s for {rec.budget_tokens} tokens (--request-timeout sets another)")
+        await self.ops._end(rec, 504, f"the request ran longer than {why} and was ended")
 
     def _finish(self, rec: RequestRecord) -> None:
         ops, total = self.ops, time.monotonic() - rec.start
@@ -619,6 +668,8 @@ class _OpsMiddleware:
                 m.ttft.observe(rec.ttft_s)
             if rec.status == 200:
                 ops._served += 1
+        if not ops.access_log:
+            return
         ttft = f"{rec.ttft_s * 1000:.0f}ms" if rec.ttft_s is not None else "-"
         queue = f"{rec.queue_s * 1000:.0f}ms" if rec.queue_s is not None else "-"
         access_log.info("%s %s %d prompt=%d output=%d queue=%s ttft=%s total=%.0fms%s", rec.id, printable(rec.route),
@@ -627,6 +678,8 @@ class _OpsMiddleware:
 
 
 MAX_TIMEOUT_S = 24 * 3600   # every number bounded: a day is longer than any request here
+AUTO_TIMEOUT_BASE_S = 60.0        # the default bound: a minute, plus
+AUTO_TIMEOUT_PER_TOKEN_S = 0.5    # half a second per token of the request's budget (2 tokens/s at worst)
 MAX_API_KEYS = 1024
 
 
@@ -639,8 +692,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", default=None, metavar="FILE",
                         help="more API keys, one per line (# starts a comment): one tenant each")
     parser.add_argument("--metrics-key", default=os.environ.get("ENGINE_METRICS_KEY"),
-                        help="the key for /metrics and /engine/stats, e.g. Prometheus' (default: $ENGINE_METRICS_KEY, "
-                             "else --api-key; without either they are open)")
+                        help="the key for /metrics and /engine/*, e.g. Prometheus' (default: $ENGINE_METRICS_KEY; "
+                             "without it /engine/* takes --api-key, /metrics only --admin-key, and with no key "
+                             "at all they are open)")
+    parser.add_argument("--admin-key", default=os.environ.get("ENGINE_ADMIN_KEY"),
+                        help="the instructor's or operator's key: reads /metrics and /engine/* for the whole "
+                             "service (default: $ENGINE_ADMIN_KEY); a tenant's --api-key never reads /metrics")
     parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                         help="Host header names to answer, comma-separated, '*' for any (default: localhost, "
                              "127.0.0.1, [::1] and --host; any name when --host is 0.0.0.0)")
@@ -649,9 +706,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-num-seqs, else one); past it: 503 (default: no bound)")
     parser.add_argument("--request-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=None,
                         help="end a request that runs longer than this many seconds, streams included, with an "
-                             "error the client sees (default: off, a request runs until its max_tokens)")
+                             f"error the client sees (default: {AUTO_TIMEOUT_BASE_S:g} s plus "
+                             f"{AUTO_TIMEOUT_PER_TOKEN_S:g} s per token of its budget, max_tokens summed over "
+                             f"its prompts)")
     parser.add_argument("--body-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=30.0,
                         help="seconds a client has to send its whole request body; past it: 408 (default: 30)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log one line per request: its id, route, status, tokens, queue, TTFT and time, never "
+                             "its text (default: off)")
     parser.add_argument("--shutdown-grace", type=cli.number(low=0, high=MAX_TIMEOUT_S), default=10.0,
                         help="seconds running requests get to finish on SIGTERM/Ctrl-C (default: 10)")
 

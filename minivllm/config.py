@@ -36,6 +36,7 @@ SEED_RANGE = (0, 2**63 - 1)                                     # an engine's se
 FOREIGN_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8", "fbgemm_fp8", "bitsandbytes",
                          "gguf", "squeezellm", "compressed-tensors", "experts_int8", "modelopt", "deepspeedfp",
                          "hqq", "aqlm", "mxfp4", "torchao")
+MAX_THREADS = 1024                                              # torch's CPU threads: more than any machine here
 # --8<-- [end:constants]
 
 
@@ -163,6 +164,9 @@ class EngineConfig:
     max_model_len: int | None = option(
         None, "int", "prompt and output tokens of one request together, at most (default: the model's context "
         "window)", 1, low=1, high=MAX_MODEL_LEN, none=True)
+    threads: int | None = option(
+        None, "int", "torch's CPU threads for the whole process, set before the model loads (default: torch's "
+        "choice; 1 is steadier on a busy, shared machine)", 1, low=1, high=MAX_THREADS, none=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):   # a size may come with its unit, as on the command line ("96MB")

@@ -145,6 +145,7 @@ class LLM(LLMEngine):
                  enable_lora: bool = DEFAULTS.enable_lora, max_loras: int = DEFAULTS.max_loras,
                  max_lora_rank: int = DEFAULTS.max_lora_rank, max_cpu_loras: int | None = DEFAULTS.max_cpu_loras,
                  seed: int | None = DEFAULTS.seed, max_model_len: int | None = DEFAULTS.max_model_len,
+                 threads: int | None = DEFAULTS.threads,
                  structured_output: StructuredOutput | None = None, **vllm_spelling):
         """Each keyword is a row of the options table; vLLM's spelling of a row is accepted too
         (enable_prefix_caching=, quantization=, kv_cache_memory_bytes=: EngineConfig.vllm_names())."""
@@ -158,10 +159,13 @@ class LLM(LLMEngine):
             group_size=group_size, quant_head=quant_head, compile=compile,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, seed=seed, max_model_len=max_model_len)
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, seed=seed, max_model_len=max_model_len,
+            threads=threads)
         self.config = EngineConfig(**from_vllm(options, vllm_spelling))   # every option checked: nothing loaded yet
         c = self.config
         self.lora = LoRA(c.max_loras, c.max_lora_rank, c.max_cpu_loras) if c.enable_lora else None   # Chapter 17
+        if c.threads is not None:   # process-wide, as OMP_NUM_THREADS is: before any kernel runs
+            torch.set_num_threads(c.threads)
         device = pick_device(device)
         dtype = pick_dtype(dtype, device)          # bfloat16 on a GPU, float32 elsewhere, unless asked
         self.folder = model_folder(model)

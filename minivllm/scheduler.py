@@ -45,6 +45,12 @@ class ScheduledBatch:
         self.lengths.append(n)
 
 
+def tenant_of(r: Request) -> str | None:
+    """Whose request this is: the part of its cache_salt before the first '/' (None: nobody's)."""
+    salt = r.params.cache_salt
+    return None if salt is None else salt.split("/", 1)[0]
+
+
 class Scheduler:
     """Waiting and running queues over a BlockManager, under a token budget and a sequence cap."""
 
@@ -92,13 +98,13 @@ class Scheduler:
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
         budget = self.max_num_batched_tokens - out.num_tokens
-        # Admit in arrival order (preempted ones sit at the front) while blocks, budget and the cap allow;
-        # blocks a prefix cache already holds for the request cost nothing new (Chapter 8).
+        # Admit in arrival order (preempted ones sit at the front), each tenant's turn fairly, while
+        # blocks, budget and the cap allow; blocks a prefix cache already holds cost nothing new (Chapter 8).
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
-               and self.blocks.can_allocate_prompt(self.waiting[0].tokens(0, self.waiting[0].num_tokens),
-                                                   self.waiting[0].cache_salt)
-               and self.adapter_fits(self.waiting[0])):
-            r = self.waiting.popleft()
+               and self.blocks.can_allocate_prompt((r := self.next_waiting()).tokens(0, r.num_tokens),
+                                                   r.cache_salt)
+               and self.adapter_fits(r)):
+            self.waiting.remove(r)
             r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
             r.admitted = r.admitted or time.perf_counter()
             self.running.append(r)
@@ -107,6 +113,16 @@ class Scheduler:
             budget -= n
         return out
     # --8<-- [end:schedule]
+
+    # --8<-- [start:fair]
+    def next_waiting(self) -> Request:
+        """The request to admit next: the oldest waiting one of the tenant with the fewest running.
+        A tenant is a cache_salt's first part (the server's API key, "key-2/..."); with one tenant,
+        as offline, this is the queue's head. So a tenant that sends 16 requests at once gets its
+        share of the seats, and another tenant's one request takes the next free seat."""
+        running = collections.Counter(tenant_of(r) for r in self.running)
+        return min(self.waiting, key=lambda r: running[tenant_of(r)])   # min keeps the first of equals
+    # --8<-- [end:fair]
 
     # --8<-- [start:guesses]
     def add_guesses(self, out: ScheduledBatch) -> None:

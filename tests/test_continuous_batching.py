@@ -720,3 +720,22 @@ def test_the_scheduler_walkthrough_marks_every_request_finished_once(monkeypatch
     marks = [r for line in steps if "finished" in line for r in line.split("finished ")[1].split(", ")]
     assert sorted(marks) == ["r0", "r1", "r2", "r3"]
     assert "finished r3" in steps[-1]   # the last step ends the last request
+
+
+def test_a_tenant_of_sixteen_requests_does_not_hold_back_anothers_one():
+    """max_num_seqs 4: alice sends 16 at once, then bob one. Bob's takes the next free seat, not
+    the seventeenth: he finishes before more than half of alice's."""
+    s = Scheduler(BlockManager(1000, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    alice = [Request(i, list(range(100, 108)), SamplingParams(cache_salt="key-0"), 6 + i % 3, detok=None,
+                     generator=None) for i in range(16)]
+    for r in alice:
+        s.add(r)
+    fake_step(s, alice)
+    bob = Request(99, list(range(100, 108)), SamplingParams(cache_salt="key-1/own"), 6, detok=None, generator=None)
+    s.add(bob)
+    everyone = alice + [bob]
+    while bob.finish_reason is None:
+        fake_step(s, everyone)
+    done_before_bob = sum(r.finish_reason is not None for r in alice)
+    assert done_before_bob <= 8, done_before_bob
+    run_to_end(s, everyone)

@@ -191,7 +191,8 @@ def test_request_timeout_ends_a_stream_with_an_error_and_frees_its_work(tiny_eng
 def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
     port = launcher.free_port()
     proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "05_server.py"), "--port", str(port),
-                             "--model", str(tiny_model_dir), "--device", "cpu", "--shutdown-grace", "1"],
+                             "--model", str(tiny_model_dir), "--device", "cpu", "--shutdown-grace", "1",
+                             "--access-log"],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -225,13 +226,13 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tiny_model_dir):
 def test_metrics_label_routes_not_raw_paths_and_stay_small(tiny_engine):
     """Made-up paths (404s, and 401s under a key) all count as one 'other' series: a client
     cannot grow /metrics, whose every scrape formats every series."""
-    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
-        small = len(c.get("/metrics", headers={"Authorization": "Bearer k"}).content)
+    with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k", admin_key="a"))) as c:
+        small = len(c.get("/metrics", headers={"Authorization": "Bearer a"}).content)
         for i in range(300):
             assert c.get(f"/junk/{i}").status_code == 404
             assert c.get(f"/v1/junk/{i}").status_code == 401
         assert c.get("/static/../../etc/passwd").status_code == 404
-        text = c.get("/metrics", headers={"Authorization": "Bearer k"}).text
+        text = c.get("/metrics", headers={"Authorization": "Bearer a"}).text
     endpoints = {s.labels["endpoint"] for fam in text_string_to_metric_families(text) for s in fam.samples
                  if s.name == "llm_requests_total"}
     assert endpoints <= {"other", "/metrics", "/static"}, endpoints
@@ -242,7 +243,8 @@ def test_metrics_label_routes_not_raw_paths_and_stay_small(tiny_engine):
 
 
 def test_the_access_log_escapes_control_characters(tiny_engine, caplog):
-    with TestClient(server.make_app(tiny_engine)) as c, caplog.at_level("INFO", logger="05_server.access"):
+    app = server.make_app(tiny_engine, ops=ops_lib.ServerOps(access_log=True))
+    with TestClient(app) as c, caplog.at_level("INFO", logger="05_server.access"):
         c.get("/x%0a2026-01-01 05_server.access forged 200")
         c.get("/y%00z%1b[31m")
     lines = [r.getMessage() for r in caplog.records if r.name == "05_server.access"]
@@ -298,7 +300,8 @@ def test_metrics_and_stats_need_a_key_when_the_api_has_one(tiny_engine):
     with TestClient(server.make_app(tiny_engine, ops=ops_lib.ServerOps(api_key="k"))) as c:
         for path in ("/metrics", "/engine/stats", "/engine/scheduler"):
             assert c.get(path).status_code == 401
-            assert c.get(path, headers=bearer("k")).status_code == 200
+            # /metrics is the whole service's: a tenant's key never reads it, only --metrics/--admin-key
+            assert c.get(path, headers=bearer("k")).status_code == (401 if path == "/metrics" else 200)
         assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
         assert c.get("/v1/models", headers={"Authorization": "bearer k"}).status_code == 200   # any case
         assert c.get("/v1/models", headers={"Authorization": "BEARER  k"}).status_code == 200
