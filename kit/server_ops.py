@@ -771,7 +771,9 @@ def add_lora_modules(engine, modules: list[str]) -> None:
     """Chapter 17: each NAME=PATH read and checked now, named as a model a request may pick."""
     from minivllm.lora import LoRARequest   # only a server that serves adapters needs it
 
-    if modules and not engine.capabilities().serves_adapters:
+    if not modules:
+        return
+    if not engine.capabilities().serves_adapters:
         raise ValueError("--lora-modules needs an engine that serves adapters: minivllm:LLM with --enable-lora")
     first = max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
     for i, module in enumerate(modules, start=first):

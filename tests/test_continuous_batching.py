@@ -726,12 +726,11 @@ def test_a_tenant_of_sixteen_requests_does_not_hold_back_anothers_one():
     """max_num_seqs 4: alice sends 16 at once, then bob one. Bob's takes the next free seat, not
     the seventeenth: he finishes before more than half of alice's."""
     s = Scheduler(BlockManager(1000, 4), max_num_seqs=4, max_num_batched_tokens=64)
-    alice = [Request(i, list(range(100, 108)), SamplingParams(cache_salt="key-0"), 6 + i % 3, detok=None,
-                     generator=None) for i in range(16)]
+    alice = [Request(i, list(range(100, 108)), SamplingParams(cache_salt="key-0"), 6 + i % 3, detok=None) for i in range(16)]
     for r in alice:
         s.add(r)
     fake_step(s, alice)
-    bob = Request(99, list(range(100, 108)), SamplingParams(cache_salt="key-1/own"), 6, detok=None, generator=None)
+    bob = Request(99, list(range(100, 108)), SamplingParams(cache_salt="key-1/own"), 6, detok=None)
     s.add(bob)
     everyone = alice + [bob]
     while bob.finish_reason is None:

@@ -94,7 +94,7 @@ def test_openai_client_sees_refusals_of_out_of_range_fields(client):
     hello = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=hello, max_tokens=2)
-    for bad in ({"temperature": 3.0}, {"stop": list("abcde")}, {"seed": 2**70}):
+    for bad in ({"temperature": 3.0}, {"stop": [f"s{i}" for i in range(65)]}, {"seed": 2**70}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=served(client), messages=hello, max_tokens=2, **bad)
     parts = client.chat.completions.create(model=served(client), max_tokens=4, messages=[

@@ -8,7 +8,7 @@ from minivllm.scheduler import Scheduler
 
 
 def requests(shapes):
-    return [Request(i, list(range(100 + i, 100 + i + n)), SamplingParams(), budget, detok=None, generator=None)
+    return [Request(i, list(range(100 + i, 100 + i + n)), SamplingParams(), budget, detok=None)
             for i, (n, budget) in enumerate(shapes)]
 
 
