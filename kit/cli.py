@@ -172,8 +172,9 @@ def add_engine_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = 
         flag, spec = flag_for(name, default, row)   # vLLM's spelling, where it means the same: a second flag
         flags = [flag, *(["--" + row.alias.replace("_", "-")] if row.alias else [])]
         taken = [f for f in flags if f in parser._option_string_actions]   # a script's own --seed: its workload's
-        flags = [f for f in flags if f not in taken] or ["--engine-" + flag.removeprefix("--")]
-        g.add_argument(*flags, dest=name, **spec)
+        flags = [f for f in flags if f not in taken]
+        dest = name if flags else "engine_" + name     # renamed, it keeps apart from the script's own value
+        g.add_argument(*(flags or ["--engine-" + flag.removeprefix("--")]), dest=dest, **spec)
 
 
 class _OnlyGroup:
@@ -183,13 +184,14 @@ class _OnlyGroup:
         self.group, self.only = group, only
 
     def add_argument(self, flag: str, *aliases: str, **kwargs) -> None:
-        if kwargs.get("dest", flag.removeprefix("--").replace("-", "_")) in self.only:
+        if kwargs.get("dest", flag.removeprefix("--").replace("-", "_")).removeprefix("engine_") in self.only:
             self.group.add_argument(flag, *aliases, **kwargs)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine keywords given on the command line (only those given). --threads is not one:
     it was applied to the whole process as it was parsed, so an engine without the keyword runs on it too."""
-    return {name: getattr(args, name) for name in ENGINE_OPTIONS
-            if name not in PROCESS_OPTIONS and getattr(args, name, None) is not None}
+    given = {name: getattr(args, "engine_" + name, getattr(args, name, None)) for name in ENGINE_OPTIONS
+             if name not in PROCESS_OPTIONS}
+    return {name: value for name, value in given.items() if value is not None}
 # --8<-- [end:engine-options]

@@ -490,8 +490,8 @@ def test_mixed_workload_compares_sequential_static_and_all_at_once(mixed_world, 
     (["--prompts", ""], "--prompts needs a file name"),
     (["--plot", "x.txt"], "argument --plot: 'x.txt' should end in one of .png"),
     (["--json", "/tmp"], "argument --json: '/tmp' is a folder, not a file name"),
-    (["--kv-memory", "lots"], "argument --kv-memory: not a memory size: 'lots'"),
-    (["--quant", "int3"], "argument --quant: invalid choice: 'int3'"),
+    (["--kv-memory", "lots"], "argument --kv-memory/--kv-cache-memory-bytes: not a memory size: 'lots'"),
+    (["--quant", "int3"], "argument --quant/--quantization: invalid choice: 'int3'"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: 0 is out of range"),
 ])
 def test_bad_flags_are_refused_with_the_reason(argv, message, mixed_world, capsys):

@@ -281,8 +281,10 @@ def test_the_flags_read_back_as_the_same_options():
                                                   "--speculative", "draft", "--num-speculative-tokens", "6",
                                                   "--draft-model", "some/folder", "--tensor-parallel-size", "2",
                                                   "--compile", "--enforce-eager", "--dtype", "bfloat16",
-                                                  "--gpu-memory-utilization", "0.8"]))
-    assert set(given) == set(cli.ENGINE_OPTIONS)
+                                                  "--gpu-memory-utilization", "0.8", "--seed", "3",
+                                                  "--max-model-len", "1024", "--enable-lora", "--max-loras", "2",
+                                                  "--max-lora-rank", "8", "--max-cpu-loras", "4"]))
+    assert set(given) == set(cli.ENGINE_OPTIONS) - set(cli.PROCESS_OPTIONS)   # --threads: set as it is parsed
     flags = launcher.server_command(1, engine_options=given)[6:]
     assert cli.engine_options(parser.parse_args(flags)) == given
 
