@@ -204,8 +204,8 @@ def run_checks(folder, device) -> bool:
                         agree >= 0.75))
     if device.type == "cuda":   # the sampler never waits for the device before its one transfer
         logits = torch.randn(32, config.vocab_size, device=device)
-        rows = [SimpleNamespace(params=SamplingParams(temperature=0.8, top_p=0.9), seed=i, new_ids=[], history=None,
-                                constraint=None) for i in range(32)]
+        rows = [SimpleNamespace(params=SamplingParams(temperature=0.8, top_p=0.9), seed=i, new_ids=[], held_back=(),
+                                history=None, constraint=None) for i in range(32)]
         torch.cuda.set_sync_debug_mode("error")
         try:
             sample_on_device(logits, rows)

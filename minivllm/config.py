@@ -91,6 +91,8 @@ class Option:
 def option(default, kind: str, help: str, chapter: int, **row):
     """A field of EngineConfig with its row of the table."""
     return field(default=default, metadata={"option": Option(kind, help, chapter, **row)})
+
+
 def parse_bytes(text: str) -> int:
     """'512MB', '1.5GiB', '64m' or a plain byte count -> bytes (MB = MiB here, as torch counts)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text).lower())

@@ -181,16 +181,26 @@ class EngineLoop:
         return self.submit(prompt, max_new_tokens, params).result()
 
     def generate_batch(self, prompts: list[str], max_new_tokens: int,
-                       params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerateResult]:
+                       params: SamplingParams | list[SamplingParams] | None = None,
+                       **per_request) -> list[GenerateResult]:
         """Every prompt enters the scheduler at once; each leaves the step it finishes. params: one
-        SamplingParams for all, or a list of them, one per prompt (as vLLM's generate takes)."""
+        SamplingParams for all, or a list of them, one per prompt (as vLLM's generate takes).
+        per_request: more keywords of new_request, each one value for all or a list, one per
+        prompt (Chapter 17's lora_request)."""
         check_prompts(prompts)
         each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(each) != len(prompts):
             raise ValueError(f"params: {len(each)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        extras = [{} for _ in prompts]
+        for name, value in per_request.items():
+            values = list(value) if isinstance(value, (list, tuple)) else [value] * len(prompts)
+            if len(values) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts need 1 or {len(prompts)} {name}s, got {len(values)}")
+            for extra, v in zip(extras, values):
+                extra[name] = v
         t0 = time.perf_counter()
-        streams = self.submit_all([self.new_request(p, max_new_tokens, sp, arrival=t0)   # all checked first
-                                   for p, sp in zip(prompts, each)])
+        streams = self.submit_all([self.new_request(p, max_new_tokens, sp, arrival=t0, **extra)   # all checked first
+                                   for p, sp, extra in zip(prompts, each, extras)])
         try:
             return [s.result() for s in streams]
         finally:              # one failed, or the caller was interrupted: nothing keeps running

@@ -21,7 +21,6 @@ where the chapters meet. Each option becomes an object handed to the part that u
 
 from __future__ import annotations
 
-import time
 import dataclasses
 import itertools
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ import torch
 from minivllm.block_manager import BlockManager
 from minivllm.compile import Compile
 from minivllm.config import EngineConfig
-from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
+from minivllm.contracts import GenerateResult, SamplingParams
 from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
 from minivllm.engine import LLMEngine
 from minivllm.engine_loop import close_at_exit
@@ -303,23 +302,8 @@ class LLM(LLMEngine):
     def generate_batch(self, prompts: list, max_new_tokens: int | None = None,
                        params: SamplingParams | list[SamplingParams] | None = None,
                        lora_request=None) -> list[GenerateResult]:
-        if lora_request is None:
-            return super().generate_batch(prompts, max_new_tokens, params)
-        check_prompts(prompts)
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts need 1 or {len(prompts)} lora_requests, got {len(loras)}")
-        each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(each) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts need 1 or {len(prompts)} SamplingParams, got {len(each)}")
-        t0 = time.perf_counter()
-        streams = self.submit_all([self.new_request(p, max_new_tokens, sp, t0, lora)
-                                   for p, sp, lora in zip(prompts, each, loras)])
-        try:
-            return [s.result() for s in streams]
-        finally:          # one failed, or the caller was interrupted: nothing keeps running
-            for s in streams:
-                s.close()
+        adapters = {} if lora_request is None else {"lora_request": lora_request}   # Chapter 17: one, or one each
+        return super().generate_batch(prompts, max_new_tokens, params, **adapters)
 
     def generate_stream(self, prompt, max_new_tokens: int | None = None,
                         params: SamplingParams | None = None, lora_request=None) -> Iterator[str | GenerateResult]:

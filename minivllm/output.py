@@ -19,6 +19,7 @@ from minivllm.contracts import NO_STRUCTURED_OUTPUT, GenerateResult, RequestMetr
 from minivllm.sampling import TokenHistory
 from minivllm.text import IncrementalDetokenizer, attach_logprobs, tokenize
 
+
 def new_seed() -> int:
     """A seed for a request that brought none: from torch's global stream, so that
     torch.manual_seed makes a whole script's sampled answers repeat."""
@@ -57,6 +58,8 @@ class Request:
     num_accepted: int = 0                         # ... and kept
     constraint: object = None                     # Chapter 11: a grammar its output must follow
     adapter: object = None                        # Chapter 17: its LoRA adapter (None: the base weights)
+    held_back: tuple[int, ...] = ()               # ids that may not come before min_tokens (EOS, stop ids)
+    prompt: str | None = None                     # the prompt's text, when it came as text
 
     @property
     def cache_salt(self):
@@ -65,8 +68,6 @@ class Request:
         if self.adapter is None:
             return self.params.cache_salt
         return ("lora", self.adapter.key, self.params.cache_salt)
-    held_back: tuple[int, ...] = ()               # ids that may not come before min_tokens (EOS, stop ids)
-    prompt: str | None = None                     # the prompt's text, when it came as text
 
     @property
     def n_prompt(self) -> int:
@@ -150,7 +151,7 @@ def constrain(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 def hold_back(logits: torch.Tensor, requests: list[Request], ahead: int = 0) -> torch.Tensor:
     """vLLM's min_tokens: -inf for EOS and the stop token ids of each row whose request has fewer
     than min_tokens new tokens (ahead: guesses before this row, Chapter 10's verification)."""
-    rows = [i for i, r in enumerate(requests) if getattr(r, "held_back", ()) and len(r.new_ids) + ahead < r.params.min_tokens]
+    rows = [i for i, r in enumerate(requests) if r.held_back and len(r.new_ids) + ahead < r.params.min_tokens]
     if not rows:
         return logits
     logits = logits.clone()   # never in place: the raw logits still give log-probabilities

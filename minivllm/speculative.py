@@ -65,9 +65,9 @@ class NgramProposer:
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, requests: list[Request], ks: list[int], seeds: list[int], max_tokens: int) -> None:
+    def propose(self, requests: list[Request], ks: list[int], max_tokens: int) -> None:
         """Sets each request's draft_ids (up to k): what followed, up to the first token that the
-        request's grammar (Chapter 11) forbids. A lookup needs no model, so no seed and no budget."""
+        request's grammar (Chapter 11) forbids. A lookup needs no model, so no budget."""
         for r, k in zip(requests, ks):
             r.draft_ids = within_grammar(r, self.lookup(r.prompt_ids + r.new_ids, k)) if k else []
 
@@ -123,7 +123,7 @@ class DraftModelProposer:
         self.blocks = BlockManager(pool.num_blocks, block_size)
         self.computed: dict[int, int] = {}     # request id -> tokens whose K/V the draft holds
 
-    def propose(self, requests: list[Request], ks: list[int], seeds: list[int], max_tokens: int) -> None:
+    def propose(self, requests: list[Request], ks: list[int], max_tokens: int) -> None:
         """Sets each request's draft_ids. Its first forward catches each request up (the tokens it
         lacks, the newest one included), at most max_tokens in all: a request still behind after
         its chunk guesses nothing this step. Then one token per request per forward."""
@@ -151,7 +151,7 @@ class DraftModelProposer:
                     continue
                 position = len(r.new_ids) + len(r.draft_ids)
                 r.draft_ids.append(int(row.argmax()) if r.params.is_greedy else
-                                   draw(sampling.probabilities(row, r.params), seeds[i], position))
+                                   draw(sampling.probabilities(row, r.params), r.seed, position))
                 if r.constraint is not None:
                     r.constraint.accept(r.draft_ids[-1])
                     if r.constraint.finished:
@@ -187,7 +187,7 @@ class DraftModelProposer:
 
 
 # --8<-- [start:accept]
-def accept_guesses(logits: torch.Tensor, r: Request, seed: int | None = None) -> tuple[list[int], int]:
+def accept_guesses(logits: torch.Tensor, r: Request) -> tuple[list[int], int]:
     """The tokens one verification yields, and how many of them are kept guesses.
 
     logits[j] is the model's prediction after the guesses d1 .. dj. At each position the model
@@ -208,7 +208,7 @@ def accept_guesses(logits: torch.Tensor, r: Request, seed: int | None = None) ->
         if params.is_greedy:
             token = int(row.argmax())
         else:
-            token = draw(sampling.probabilities(row, params), seed, len(r.new_ids) + j)
+            token = draw(sampling.probabilities(row, params), r.seed, len(r.new_ids) + j)
         out.append(token)
         if j >= len(drafts) or token != drafts[j]:
             break
@@ -251,7 +251,7 @@ class Speculator(ModelRunner):
             for i, want in enumerate(wants):
                 if spare and ks[i] < want:
                     ks[i], spare = ks[i] + 1, spare - 1
-        self.proposer.propose(decoding, ks, [r.seed for r in decoding], max_num_batched_tokens)
+        self.proposer.propose(decoding, ks, max_num_batched_tokens)
 
     def rest(self, r: Request) -> bool:
         """Whether r sits out this step's guessing (one step of its rest taken)."""
@@ -273,7 +273,7 @@ class Speculator(ModelRunner):
             runs[i] = [token]
         for i, r in enumerate(requests):   # guesses to check, or a sampled token: drawn by position
             if ready[i] and i not in plain:
-                runs[i], kept = accept_guesses(logits[i], r, r.seed)
+                runs[i], kept = accept_guesses(logits[i], r)
                 if r.logprobs is not None:   # one entry per kept token, from the model's own logits
                     r.logprobs.extend(sampling.token_logprobs(logits[i][:len(runs[i])], runs[i],
                                                               [r.params.logprobs] * len(runs[i])))

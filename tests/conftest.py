@@ -8,6 +8,7 @@ default model itself (provisioned offline by 01_setup.py).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -50,6 +51,25 @@ def run_child(code: str, timeout: float, stderr_tail: int = 3000) -> dict:
 def load_script(name: str):
     """Import a numbered script such as '04_engine' as a module."""
     return importlib.import_module(name)
+
+
+class Parsed(Exception):
+    """Raised instead of parsing: carries the parser a script's main() built."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def parser_of(script: str, monkeypatch) -> argparse.ArgumentParser:
+    """The argument parser a script's main() builds, caught before it parses anything (the
+    patch is undone before returning, so the test may parse with it)."""
+    def catch(self, *args, **kwargs):
+        raise Parsed(self)
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", catch)
+        with pytest.raises(Parsed) as caught:
+            load_script(script).main()
+    return caught.value.parser
 
 
 @pytest.fixture(scope="module")

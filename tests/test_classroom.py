@@ -3,36 +3,19 @@ and one --threads flag on every entry point, read from the options table."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from conftest import load_script
+from conftest import load_script, parser_of
 from kit import cli, console
 from kit import server_ops as ops_lib
 from minivllm import LLM
 from minivllm.config import EngineConfig
 
 server = load_script("05_server")
-
-
-class Parsed(Exception):
-    def __init__(self, parser):
-        self.parser = parser
-
-
-def parser_of(script: str, monkeypatch) -> argparse.ArgumentParser:
-    """The parser a script's main() builds, caught before it parses."""
-    def catch(self, *args, **kwargs):
-        raise Parsed(self)
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
-    with pytest.raises(Parsed) as caught:
-        load_script(script).main()
-    monkeypatch.undo()
-    return caught.value.parser
 
 
 @pytest.fixture

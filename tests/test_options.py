@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from conftest import REPO_ROOT, load_script
+from conftest import REPO_ROOT, parser_of
 from minivllm import LLM
 from minivllm.config import MAX_SEQS, EngineConfig, check_option
 from minivllm.engine import LLMEngine
@@ -23,23 +23,6 @@ from minivllm.block_manager import BlockManager
 TABLE = EngineConfig.table()
 CHAPTER_ONE = ("model", "device", "dtype")          # every engine's, not options of the assembled one
 PARTS = ("structured_output", "vllm_spelling")     # a collaborator handed in; vLLM's spellings of the rows
-
-
-class Parsed(Exception):
-    """Raised instead of parsing: carries the parser a script's main() built."""
-
-    def __init__(self, parser):
-        self.parser = parser
-
-
-def parser_of(script: str, monkeypatch) -> argparse.ArgumentParser:
-    """The argument parser a script's main() builds, caught before it parses anything."""
-    def catch(self, *args, **kwargs):
-        raise Parsed(self)
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
-    with pytest.raises(Parsed) as caught:
-        load_script(script).main()
-    return caught.value.parser
 
 
 ENTRY_POINTS = ("05_server", "06_benchmark_offline", "06_benchmark_online")

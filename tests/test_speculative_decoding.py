@@ -143,7 +143,7 @@ def test_a_sampled_token_is_the_models_own_draw_whatever_was_guessed(drafter):
     n, counts = 4000, torch.zeros(7)
     for seed in range(n):
         guess = draw(q, seed, 0) if drafter == "model" else 4   # a lookup's guess is fixed: token 4
-        kept, _ = accept_guesses(target, request(params, [guess]), seed)
+        kept, _ = accept_guesses(target, request(params, [guess], seed=seed))
         assert kept[0] == draw(p, seed, 0)
         counts[kept[0]] += 1
     support = p > 0
@@ -368,7 +368,7 @@ def test_prompt_lookup_cuts_its_guesses_at_the_first_token_the_grammar_forbids(n
     # object, whose 1 the schema forbids (a string is required).
     r = ngram.new_request('KEY\n{"name": 1}\nKEY\n', 20, params)
     raw = ngram.speculator.proposer.lookup(r.prompt_ids, 8)
-    ngram.speculator.proposer.propose([r], [8], [0], 128)
+    ngram.speculator.proposer.propose([r], [8], 128)
     assert 0 < len(r.draft_ids) < len(raw) and r.draft_ids == raw[:len(r.draft_ids)]
     for token in r.draft_ids:                     # every guess is one the grammar allows, in turn
         assert r.constraint.accept(token)
