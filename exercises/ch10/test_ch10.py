@@ -55,8 +55,8 @@ def test_10_3_expected_tokens(answers):
 
 # --- the planted defect (read it after you have tried) ---------------------------------------
 def one_guess_too_many(original):
-    def accept(logits, r, seed=None):
-        kept, n = original(logits, r, seed)
+    def accept(logits, r):
+        kept, n = original(logits, r)
         if n < len(r.draft_ids):             # keep the first rejected guess as if it were right
             kept = kept[:-1] + [r.draft_ids[n]] + kept[-1:]
             n += 1
