@@ -28,7 +28,8 @@ capped by what is left of the context window. Like vLLM we also accept `top_k`,
 logprobs are honoured, and so are response_format, tools and vLLM's guided_* fields (Chapter 11:
 the reply is constrained to the format). n > 1 and the like are a 400, never ignored.
 One server, one model: `model` may be omitted or name it, or name one of the LoRA adapters the
-engine serves (Chapter 17, `--enable-lora --lora-modules name=path`); any other is a 404.
+engine serves (Chapter 17, `--enable-lora --lora-modules name=path`, and with `--lora-dir`
+loaded while serving); any other is a 404.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from kit import adapter_routes      # Chapter 17: adapters by name, loaded while serving
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
@@ -62,8 +64,9 @@ DEFAULT_MAX_TOKENS = 128
 
 # --8<-- [start:make-app]
 def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: server_ops.ServerOps | None = None,
-             max_body_bytes: int = api.MAX_BODY_BYTES) -> FastAPI:
-    """An OpenAI-compatible FastAPI app around any engine: each route is a method of OpenAIServer."""
+             max_body_bytes: int = api.MAX_BODY_BYTES, lora_dir: str | None = None) -> FastAPI:
+    """An OpenAI-compatible FastAPI app around any engine: each route is a method of OpenAIServer.
+    lora_dir (Chapter 17): adapters the admin key may load and unload while serving."""
     ops = ops or server_ops.ServerOps()
     app = FastAPI(title="llm-engine-companion", version="0.1.0")
     api.install_error_handlers(app)
@@ -75,6 +78,10 @@ def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: serv
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model:path}")(server.model)
     app.get("/health")(server.health)
+    if lora_dir is not None:
+        if not ops.admin_key:   # every API key is a tenant
+            raise ValueError("--lora-dir needs --admin-key: a tenant's key must not make the server read a path")
+        adapter_routes.install_runtime_updates(app, engine, lora_dir, server.model_name)
     return app
 # --8<-- [end:make-app]
 
@@ -398,6 +405,9 @@ def arguments() -> argparse.ArgumentParser:
     server_ops.add_arguments(parser)
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters served by name (vLLM's flag; needs --enable-lora)")
+    parser.add_argument("--lora-dir", default=None, metavar="DIR",
+                        help="turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime "
+                        "routes), for the --admin-key only, reading adapters only under DIR")
     return parser
 
 
@@ -413,12 +423,13 @@ def main() -> None:
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
         engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
-        server_ops.add_lora_modules(engine, args.lora_modules)
+        adapter_routes.add_lora_modules(engine, args.lora_modules)
+        app = make_app(engine, args.served_model_name, ops=ops, lora_dir=args.lora_dir)
     except ValueError as exc:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
     try:
-        server_ops.run_server(make_app(engine, args.served_model_name, ops=ops), ops, host=args.host, port=args.port)
+        server_ops.run_server(app, ops, host=args.host, port=args.port)
     finally:   # the engine's loop thread and worker processes end with the server
         engine.close()
 

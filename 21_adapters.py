@@ -124,7 +124,7 @@ def measure(model_dir: str, loras: dict[str, LoRARequest], repeats: int) -> None
         print(f"[measure] 32 rows x 16 tokens, median of {repeats} alternating runs (min-max):")
         base_t = statistics.median(times[0])
         for k, ts in times.items():
-            print(f"  {k} adapters: {statistics.median(ts) / base_t:.2f}x the base  "
+            print(f"  {k} adapter{'' if k == 1 else 's'}: {statistics.median(ts) / base_t:.2f}x the base  "
                   f"({min(ts) / base_t:.2f}-{max(ts) / base_t:.2f})")
         print(f"[measure] device slots: {llm.lora.slot_bytes / 1e6:.1f} MB for 8 adapters of rank 8; "
               f"one adapter in host memory: {llm.lora.add(base[0]).nbytes / 1e6:.1f} MB")

@@ -56,6 +56,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.concurrency import run_in_threadpool
 
 from kit import cli, engine_view
+from kit.adapter_routes import RUNTIME_ROUTES
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -459,7 +460,9 @@ class ServerOps:
         ("key-2" for the third --api-key), or False."""
         # --8<-- [start:views]
         service = tuple(k for k in (self.metrics_key, self.admin_key) if k)   # keys that see every tenant
-        if path.startswith("/v1/"):
+        if path in RUNTIME_ROUTES:   # the server reads a folder of adapters: the instructor's key only
+            keys = (self.admin_key,) if self.admin_key else ("",)   # no admin key: nobody
+        elif path.startswith("/v1/"):
             keys = self.api_keys
         elif path == "/metrics":   # every tenant's counts and latencies: never a tenant's key
             keys = service or (("",) if self.api_keys else ())   # keyed tenants, no service key: nobody
@@ -766,18 +769,3 @@ def run_server(app: FastAPI, ops: ServerOps, host: str, port: int) -> None:
         loop.close()
 # --8<-- [end:serve]
 
-
-def add_lora_modules(engine, modules: list[str]) -> None:
-    """Chapter 17: each NAME=PATH read and checked now, named as a model a request may pick."""
-    from minivllm.lora import LoRARequest   # only a server that serves adapters needs it
-
-    if not modules:
-        return
-    if not engine.capabilities().serves_adapters:
-        raise ValueError("--lora-modules needs an engine that serves adapters: minivllm:LLM with --enable-lora")
-    first = max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
-    for i, module in enumerate(modules, start=first):
-        name, sep, path = module.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
-        engine.add_lora(LoRARequest(name, i, path))

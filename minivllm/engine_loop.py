@@ -125,9 +125,11 @@ class EngineLoop:
                 aborts, self._aborts = self._aborts, set()
             for r in inbox:
                 try:
+                    self.runner.admit(r)           # what the runner holds for it from here (an adapter)
                     self.scheduler.add(r)
                     self._by_id[r.id] = r
                 except ValueError as exc:
+                    self.runner.release(r)
                     r.sink.put(("error", exc))
             for rid in aborts:
                 if rid in self._by_id:

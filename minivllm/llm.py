@@ -271,8 +271,7 @@ class LLM(LLMEngine):
         adapter = self.lora.add(lora_request) if lora_request is not None else None   # read once, checked
         r = super().new_request(prompt_input(prompt), max_new_tokens, params, arrival)
         if adapter is not None:
-            r.adapter = adapter
-            self.lora.hold(adapter)     # let go when the request leaves (LoRARunner.release)
+            r.adapter = adapter         # held from when it enters the loop to when it leaves (LoRARunner)
         return r
 
     def generate(self, prompt, max_new_tokens: int | SamplingParams | list | None = None,

@@ -284,7 +284,7 @@ class LoRA:
             return [a.request for a in self.host.values()]
 
     def hold(self, adapter: Adapter) -> None:
-        """A request will apply it (the caller's thread): it stays in host memory until let go."""
+        """A request in the engine applies it: it stays in host memory until let go."""
         with self._lock:
             self.in_use[adapter.key] += 1
 
@@ -351,6 +351,10 @@ class LoRARunner(ModelRunner):
     def prepare(self, requests, starts, lengths, places):
         self.lora.activate([r.adapter for r in requests], lengths, self.model.device)
         return super().prepare(requests, starts, lengths, places)
+
+    def admit(self, request) -> None:
+        if request.adapter is not None:
+            self.lora.hold(request.adapter)   # in host memory until it leaves
 
     def release(self, request) -> None:
         if request.adapter is not None:

@@ -97,6 +97,10 @@ class ModelRunner:
     def settle(self, requests: list[Request]) -> None:
         """After the output processor has taken the step's tokens. Nothing to count here."""
 
+    def admit(self, request: Request) -> None:
+        """The request enters the engine (the loop's thread): a built request that never gets
+        here, refused with its batch, holds nothing."""
+
     def release(self, request: Request) -> None:
         """The request left the engine: nothing is held for it here."""
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from kit import server_ops
+from kit import adapter_routes
 import torch
 
 from minivllm import LLM, LoRARequest
@@ -176,7 +176,7 @@ def test_the_server_serves_an_adapter_as_a_model_name(engine, adapters, referenc
     from conftest import load_script
 
     server = load_script("05_server")
-    server_ops.add_lora_modules(engine, [f"tuned={adapters['all7'][0]}"])
+    adapter_routes.add_lora_modules(engine, [f"tuned={adapters['all7'][0]}"])
     app = server.make_app(engine, model_name="base")
     expected = engine.generate(reference_prompts[0], GREEDY, lora_request=next(
         a for a in engine.list_loras() if a.lora_name == "tuned")).output_ids
@@ -199,4 +199,4 @@ def test_the_server_serves_an_adapter_as_a_model_name(engine, adapters, referenc
     assert base.json()["choices"][0]["text"] != tuned.json()["choices"][0]["text"]
     assert unknown.status_code == 404
     with pytest.raises(ValueError, match="NAME=PATH"):
-        server_ops.add_lora_modules(engine, ["no-equals-sign"])
+        adapter_routes.add_lora_modules(engine, ["no-equals-sign"])
