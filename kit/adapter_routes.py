@@ -99,6 +99,7 @@ def install_runtime_updates(app: FastAPI, engine, lora_dir: str | Path, model_na
             raise APIError(400, f"cannot load {body.lora_name!r}: {exc}", param="lora_path") from exc
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
+    # --8<-- [start:unload]
     async def unload_lora_adapter(body: UnloadLoRA):
         held = [a for a in engine.list_loras() if a.lora_name == body.lora_name
                 and body.lora_int_id in (None, a.lora_int_id)]
@@ -107,6 +108,7 @@ def install_runtime_updates(app: FastAPI, engine, lora_dir: str | Path, model_na
                            code="adapter_not_found")
         engine.remove_lora(held[0].lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+    # --8<-- [end:unload]
 
     answers = {200: {"description": "done"}, 400: {"description": "refused, with the reason"},
                401: {"description": "not the admin key"}, 404: {"description": "no such adapter or folder"}}
