@@ -120,3 +120,17 @@ def test_load_and_unload_while_serving(engine, lora_dir, tmp_path_factory):
     assert got["tenant unload"].status_code == 401
     assert not engine.lora.in_use
     assert "/v1/load_lora_adapter" in app.openapi()["paths"]
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "w8a8"])
+def test_an_adapter_rides_a_quantised_base(tiny_model_dir, lora_dir, quant):
+    """QLoRA's serving: the adapter in float beside int8/int4 weights, mixed with base rows."""
+    lora = LoRARequest("first", 1, str(lora_dir / "first"))
+    params, prompts = SamplingParams(max_tokens=8, ignore_eos=True), ["Once upon a time", "The sky is", "def f(x):"]
+    with LLM(str(tiny_model_dir), device="cpu", quant=quant, enable_lora=True, max_lora_rank=8,
+             kv_memory=2 << 20) as llm:
+        base = [r.output_ids for r in llm.generate(prompts, params)]
+        tuned = [r.output_ids for r in llm.generate(prompts, params, lora_request=lora)]
+        mixed = [r.output_ids for r in llm.generate(prompts, params, lora_request=[lora, None, lora])]
+    assert tuned != base
+    assert mixed == [tuned[0], base[1], tuned[2]]
