@@ -1,5 +1,6 @@
-"""Chapter 17, served: adapters loaded and unloaded while the server runs (vLLM's runtime routes),
-for the admin key only and only from --lora-dir; what a refused batch held is let go."""
+"""Chapter 17, served and stacked: adapters loaded and unloaded while the server runs (vLLM's
+runtime routes), for the admin key only and only from --lora-dir; what a refused batch held is let
+go; an adapter on a quantised or compiled base gives what it gives on the plain one."""
 
 from __future__ import annotations
 
@@ -122,15 +123,25 @@ def test_load_and_unload_while_serving(engine, lora_dir, tmp_path_factory):
     assert "/v1/load_lora_adapter" in app.openapi()["paths"]
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4", "w8a8"])
-def test_an_adapter_rides_a_quantised_base(tiny_model_dir, lora_dir, quant):
-    """QLoRA's serving: the adapter in float beside int8/int4 weights, mixed with base rows."""
-    lora = LoRARequest("first", 1, str(lora_dir / "first"))
+def answers(model_dir, lora, **options):
+    """Base, adapter, and both mixed in one batch, greedy, on an engine built with these options."""
     params, prompts = SamplingParams(max_tokens=8, ignore_eos=True), ["Once upon a time", "The sky is", "def f(x):"]
-    with LLM(str(tiny_model_dir), device="cpu", quant=quant, enable_lora=True, max_lora_rank=8,
-             kv_memory=2 << 20) as llm:
+    with LLM(str(model_dir), device="cpu", enable_lora=True, max_lora_rank=8, kv_memory=2 << 20, **options) as llm:
         base = [r.output_ids for r in llm.generate(prompts, params)]
         tuned = [r.output_ids for r in llm.generate(prompts, params, lora_request=lora)]
         mixed = [r.output_ids for r in llm.generate(prompts, params, lora_request=[lora, None, lora])]
+    return base, tuned, mixed
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "w8a8"])
+def test_an_adapter_rides_a_quantised_base(tiny_model_dir, lora_dir, quant):
+    """QLoRA's serving: the adapter in float beside int8/int4 weights, mixed with base rows."""
+    base, tuned, mixed = answers(tiny_model_dir, LoRARequest("first", 1, str(lora_dir / "first")), quant=quant)
     assert tuned != base
     assert mixed == [tuned[0], base[1], tuned[2]]
+
+
+def test_an_adapter_rides_the_compiled_base(tiny_model_dir, lora_dir):
+    """Chapter 13's packed weights and fused glue, the adapter's shrink and expand beside them."""
+    lora = LoRARequest("first", 1, str(lora_dir / "first"))
+    assert answers(tiny_model_dir, lora, compile=True) == answers(tiny_model_dir, lora)
