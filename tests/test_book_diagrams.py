@@ -78,7 +78,7 @@ def test_concept_diagrams_are_shown_with_a_caption():
     for n, name in [(7, "ch7-block-table"), (8, "ch8-prefix-hashes"), (9, "ch9-scheduler-step"),
                     (10, "ch10-speculative-round"), (11, "ch11-bitmask-logits"),
                     (12, "ch12-int4-group"), (14, "ch14-megatron-split"),
-                    (15, "ch15-cuda-graph-bucket")]:
+                    (15, "ch15-cuda-graph-bucket"), (17, "ch17-shrink-expand")]:
         figure = re.search(rf'<figure markdown="span">\s*!\[[^\]]+\]\(\.\./assets/{name}\.svg\)\s*'
                            r"<figcaption>[^<]{20,}</figcaption>\s*</figure>", chapter(n))
         assert figure, f"Chapter {n} does not show {name}.svg in a captioned figure"
