@@ -49,6 +49,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
+from kit import replica_server      # Chapter 18: --replicas N on Ray Serve (Ray is imported only then)
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
 from kit import structured_api      # Chapter 11: response_format, guided_*, tools
 from kit.bridge import all_or_nothing, in_thread, run_ahead, until_disconnected   # blocking engine, asyncio server
@@ -396,6 +397,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     cli.add_engine_options(parser)   # --quant, --prefix-caching, --kv-memory, ...: the engine's keywords
     server_ops.add_arguments(parser)
+    replica_server.add_arguments(parser)
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters served by name (vLLM's flag; needs --enable-lora)")
     return parser
@@ -412,8 +414,11 @@ def main() -> None:
         args.model = args.model_tag
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
-        engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
-        server_ops.add_lora_modules(engine, args.lora_modules)
+        if args.replicas is None:
+            engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
+            server_ops.add_lora_modules(engine, args.lora_modules)
+        else:   # Chapter 18: the same app in front of N engines on Ray Serve
+            engine = replica_server.start(args, cli.engine_options(args))
     except ValueError as exc:
         parser.error(str(exc))
     print(server_ops.startup_lines(args.engine, args.host, args.port, ops.api_key), flush=True)   # URLs for the class
