@@ -30,6 +30,7 @@ class PrefixRequestRouter(FIFOMixin, RequestRouter):
             self.initialize_state()
         return self.router
 
+    # --8<-- [start:router]
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         router = self._state()
@@ -43,6 +44,7 @@ class PrefixRequestRouter(FIFOMixin, RequestRouter):
         chosen = router.route(job["ids"], loads, job.get("salt"), job.get("adapter"))
         rest = sorted((r for r in candidate_replicas if r.replica_id != chosen), key=lambda r: loads[r.replica_id])
         return [[by_id[chosen]], rest]   # the first rank, then the others should it refuse
+    # --8<-- [end:router]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._state()

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="autoscale: requests per replica Ray aims for (default: 8)")
 
 
+# --8<-- [start:deploy]
 def deployment_options(args: argparse.Namespace, gpu: bool = False) -> dict:
     """The options of `serve.deployment` for the command's flags (ValueError for a bad mix)."""
     autoscale = args.min_replicas is not None or args.max_replicas is not None
@@ -78,6 +79,7 @@ def deployment_options(args: argparse.Namespace, gpu: bool = False) -> dict:
             request_router_class="kit.replica_router:PrefixRequestRouter",
             request_router_kwargs={"imbalance": args.route_imbalance})
     return options
+# --8<-- [end:deploy]
 
 
 class EngineReplica:
@@ -107,6 +109,7 @@ class EngineReplica:
             stats.update(prefix_cache_queries=blocks.prompt_tokens, prefix_cache_hits=blocks.hit_tokens)
         return {"replica": self.name, **stats}
 
+    # --8<-- [start:replica]
     async def generate(self, job: dict):
         """Text pieces, the GenerateResult, then this replica's stats; cancelled, the request is aborted."""
         adapter = {"lora_request": job["lora"]} if job.get("lora") is not None else {}
@@ -118,6 +121,7 @@ class EngineReplica:
             yield self.report()
         finally:
             stream.close()
+    # --8<-- [end:replica]
 
 
 class RoutedJob:
@@ -164,6 +168,7 @@ class ReplicaEngine:
     def new_request(self, ids: list[int], max_tokens: int, params, lora_request=None) -> RoutedJob:
         return RoutedJob(list(ids), max_tokens, params, lora_request)
 
+    # --8<-- [start:ingress]
     def submit_all(self, jobs: list[RoutedJob]) -> list:
         with self._lock:
             self.in_flight += len(jobs)
@@ -188,6 +193,7 @@ class ReplicaEngine:
             response.cancel()
             with self._lock:
                 self.in_flight -= 1
+    # --8<-- [end:ingress]
 
     def close(self) -> None:
         """Stop the replicas and, where this server started it, the local Ray with every process of it."""
@@ -207,6 +213,7 @@ def handle_replicas(handle) -> int:
     return max(1, sum(status.replica_states.values()))
 
 
+# --8<-- [start:start]
 def start(args: argparse.Namespace, engine_options: dict) -> ReplicaEngine:
     """Start (or join) Ray, deploy the replicas and return the ingress's engine."""
     import ray
@@ -222,3 +229,4 @@ def start(args: argparse.Namespace, engine_options: dict) -> ReplicaEngine:
                                                               engine_options, args.lora_modules)
     handle = serve.run(app, name=APP_NAME, route_prefix=None)
     return ReplicaEngine(handle, started)
+# --8<-- [end:start]

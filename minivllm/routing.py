@@ -31,6 +31,7 @@ def route_root(salt: str | None, adapter: str | None = None) -> int:
     return hash(("route", salt, adapter))
 
 
+# --8<-- [start:tree]
 class PrefixTree:
     """The prompts sent to each replica, as chained block hashes with the replicas that hold each."""
 
@@ -75,8 +76,10 @@ class PrefixTree:
             holders.discard(replica)
             if not holders:
                 del self.nodes[key]
+# --8<-- [end:tree]
 
 
+# --8<-- [start:choose]
 def choose(matches: dict[Hashable, int], loads: dict[Hashable, int], imbalance: int = DEFAULT_IMBALANCE) -> Hashable:
     """The replica for a request: the longest match among `loads`' replicas unless its queue is
     more than `imbalance` longer than the shortest, else the least loaded. Ties: the least loaded,
@@ -88,6 +91,7 @@ def choose(matches: dict[Hashable, int], loads: dict[Hashable, int], imbalance: 
     if matches.get(best, 0) == 0 or loads[best] - loads[least] > imbalance:
         return least
     return best
+# --8<-- [end:choose]
 
 
 class PrefixRouter:
