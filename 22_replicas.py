@@ -181,7 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Replicas of the engine on Ray Serve, and the prefix router.")
     parser.add_argument("--measure", choices=("tenants", "throughput"), default=None)
     parser.add_argument("--model", default=None, help="the model (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--kv-memory", default="128MB", help="each replica's KV pool (default: ~5 system prompts)")
+    parser.add_argument("--kv-memory", default="110MB", help="each replica's KV pool (default: 2,496 tokens, five system prompts)")
     parser.add_argument("--max-tokens", type=cli.integer(1, 512), default=16)
     parser.add_argument("--repeats", type=cli.integer(1, 20), default=3)
     parser.add_argument("--seed", type=int, default=0)

@@ -111,14 +111,15 @@ class EngineReplica:
 
     # --8<-- [start:replica]
     async def generate(self, job: dict):
-        """Text pieces, the GenerateResult, then this replica's stats; cancelled, the request is aborted."""
+        """Text pieces, this replica's counters, then the GenerateResult; cancelled, the request is aborted."""
         adapter = {"lora_request": job["lora"]} if job.get("lora") is not None else {}
         request = self.engine.new_request(job["ids"], job["max_tokens"], job["params"], **adapter)
         [stream] = self.engine.submit_all([request])
         try:
             while (item := await asyncio.to_thread(next, stream, None)) is not None:
+                if not isinstance(item, str):   # the counters first: a reader may stop at the result
+                    yield self.report()
                 yield item
-            yield self.report()
         finally:
             stream.close()
     # --8<-- [end:replica]
@@ -168,33 +169,6 @@ class ReplicaEngine:
     def new_request(self, ids: list[int], max_tokens: int, params, lora_request=None) -> RoutedJob:
         return RoutedJob(list(ids), max_tokens, params, lora_request)
 
-    # --8<-- [start:ingress]
-    def submit_all(self, jobs: list[RoutedJob]) -> list:
-        with self._lock:
-            self.in_flight += len(jobs)
-        return [self._answer(job, self.handle.options(stream=True).generate.remote(job.payload())) for job in jobs]
-
-    def _answer(self, job: RoutedJob, response):
-        """Pieces then the GenerateResult; a replica that died mid-answer ends it with EngineUnavailable."""
-        from ray.exceptions import RayError
-        try:
-            for item in response:
-                if isinstance(item, dict):
-                    self.replicas[item["replica"]] = item
-                    continue
-                if isinstance(item, str):
-                    job.new_ids.append(item)
-                yield item
-        except ValueError:
-            raise
-        except RayError as exc:
-            raise EngineUnavailable(f"a replica failed: {type(exc).__name__}") from None
-        finally:
-            response.cancel()
-            with self._lock:
-                self.in_flight -= 1
-    # --8<-- [end:ingress]
-
     def close(self) -> None:
         """Stop the replicas and, where this server started it, the local Ray with every process of it."""
         import ray
@@ -205,6 +179,57 @@ class ReplicaEngine:
                 serve.shutdown()
         finally:
             ray.shutdown()
+
+    # --8<-- [start:ingress]
+    def submit_all(self, jobs: list[RoutedJob]) -> list:
+        with self._lock:
+            self.in_flight += len(jobs)
+        return [RoutedStream(self, job, self.handle.options(stream=True).generate.remote(job.payload()))
+                for job in jobs]
+
+
+class RoutedStream:
+    """One answer from a replica: text pieces then the GenerateResult, as Chapter 9's RequestStream.
+    close(), from any thread and any number of times, cancels the call (the replica aborts the
+    request) and gives the service's seat back."""
+
+    def __init__(self, engine: ReplicaEngine, job: RoutedJob, response):
+        self.engine, self.job, self.response, self.closed = engine, job, response, False
+        self._items = self._read()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def _read(self):
+        from ray.exceptions import RayError, RayTaskError
+        try:
+            for item in self.response:
+                if isinstance(item, dict):   # the replica's counters, sent with its answer
+                    self.engine.replicas[item["replica"]] = item
+                    continue
+                if isinstance(item, str):
+                    self.job.new_ids.append(item)
+                yield item
+        except RayTaskError as exc:   # the replica refused the request: its own error, not Ray's wrapper
+            if isinstance(exc.cause, ValueError):
+                raise exc.cause from None
+            raise EngineUnavailable(f"a replica failed: {type(exc.cause).__name__}: {exc.cause}") from None
+        except RayError as exc:       # the replica died mid-answer
+            raise EngineUnavailable(f"a replica failed: {type(exc).__name__}") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self.engine._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.engine.in_flight -= 1
+        self.response.cancel()
+    # --8<-- [end:ingress]
 
 
 def handle_replicas(handle) -> int:

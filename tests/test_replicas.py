@@ -82,6 +82,12 @@ def test_greedy_answers_equal_the_library(served, tiny_model_dir):
     assert got == want
 
 
+def test_a_request_the_replica_refuses_is_a_400_with_its_reason(served):
+    r = complete(served["url"], prompt=[1] * 500, max_tokens=100)   # 600 tokens: more than the 512 window
+    assert r.status_code == 400, r.text
+    assert "Traceback" not in r.text and "ray" not in r.json()["error"]["message"].lower()
+
+
 def test_a_tenants_prefix_stays_on_one_replica(served):
     url = served["url"]
     system = " ".join(f"rule {n}: be brief." for n in range(40))   # well over a few 16-token blocks
