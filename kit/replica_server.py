@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 from kit import cli
+from kit.engines import load_object, split_spec
 from minivllm.engine_loop import EngineUnavailable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -241,6 +242,9 @@ def handle_replicas(handle) -> int:
 # --8<-- [start:start]
 def start(args: argparse.Namespace, engine_options: dict) -> ReplicaEngine:
     """Start (or join) Ray, deploy the replicas and return the ingress's engine."""
+    engine_class = load_object(split_spec(args.engine)[0], "Class")
+    if not hasattr(engine_class, "submit_all"):   # before Ray starts: a replica must batch its requests
+        raise ValueError(f"--replicas serves an engine that schedules itself (--engine minivllm:LLM), not {args.engine}")
     import ray
     import torch
     from ray import serve

@@ -194,3 +194,10 @@ def test_the_default_server_never_imports_ray():
             "s.arguments().parse_args([]); print('RAY' if any(m.split('.')[0] == 'ray' for m in sys.modules) else 'NO')")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("NO"), out.stderr[-2000:]
+
+
+def test_replicas_refuse_an_engine_that_does_not_batch_before_ray_starts():
+    out = subprocess.run([sys.executable, "05_server.py", "--replicas", "2", "--engine", "04_engine:BaselineEngine"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "schedules itself" in out.stderr, out.stderr[-2000:]
+    assert "Ray instance" not in out.stderr
