@@ -51,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from kit import adapter_routes      # Chapter 17: adapters by name, loaded while serving
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
+from kit import replica_server      # Chapter 18: --replicas N on Ray Serve (Ray is imported only then)
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
 from kit import structured_api      # Chapter 11: response_format, guided_*, tools
 from kit.bridge import all_or_nothing, in_thread, run_ahead, until_disconnected   # blocking engine, asyncio server
@@ -403,6 +404,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     cli.add_engine_options(parser)   # --quant, --prefix-caching, --kv-memory, ...: the engine's keywords
     server_ops.add_arguments(parser)
+    replica_server.add_arguments(parser)
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters served by name (vLLM's flag; needs --enable-lora)")
     parser.add_argument("--lora-dir", default=None, metavar="DIR",
@@ -422,8 +424,13 @@ def main() -> None:
         args.model = args.model_tag
     try:
         ops = server_ops.ServerOps.from_args(args)   # bad values fail before the model loads
-        engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
-        adapter_routes.add_lora_modules(engine, args.lora_modules)
+        if args.replicas is None:
+            engine = load_engine(args.engine, args.model, device=args.device, **cli.engine_options(args))
+            adapter_routes.add_lora_modules(engine, args.lora_modules)
+        else:   # Chapter 18: the same app in front of N engines on Ray Serve
+            if args.lora_dir is not None:
+                raise ValueError("--lora-dir does not combine with --replicas yet: each replica would load on its own")
+            engine = replica_server.start(args, cli.engine_options(args))
         app = make_app(engine, args.served_model_name, ops=ops, lora_dir=args.lora_dir)
     except ValueError as exc:
         parser.error(str(exc))

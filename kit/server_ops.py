@@ -223,12 +223,35 @@ class _SnapshotCollector:
         for key, (name, text) in self.COUNTERS.items():   # totals the engine keeps: counters
             if isinstance(snap.get(key), int):
                 yield CounterMetricFamily(name, text, value=snap[key])
+        yield from self.per_replica(snap.get("replicas"))
         features = snap.get("features")
         if features:   # Prometheus' "info" idiom: the settings as labels of a gauge that is always 1
             info = GaugeMetricFamily("llm_engine_features", "the engine's features, one label each",
                                      labels=list(features))
             info.add_metric([_label(v) for v in features.values()], 1)
             yield info
+
+
+    REPLICA_COUNTERS = {**{k: v for k, v in COUNTERS.items()},
+                        "prefix_cache_queries": ("llm_prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+                        "prefix_cache_hits": ("llm_prefix_cache_hits", "prompt tokens the prefix cache held")}
+
+    def per_replica(self, replicas: dict | None):
+        """Chapter 18: each replica's last report, its series labelled `replica`."""
+        if not replicas:
+            return
+        for key, name in self.GAUGES.items():
+            family = GaugeMetricFamily(f"{name}_by_replica", f"{key.replace('_', ' ')}, per replica", labels=["replica"])
+            for replica, stats in replicas.items():
+                if isinstance(stats.get(key), (int, float)):
+                    family.add_metric([str(replica)], stats[key])
+            yield family
+        for key, (name, text) in self.REPLICA_COUNTERS.items():
+            family = CounterMetricFamily(f"{name}_by_replica", f"{text}, per replica", labels=["replica"])
+            for replica, stats in replicas.items():
+                if isinstance(stats.get(key), int):
+                    family.add_metric([str(replica)], stats[key])
+            yield family
 
 
 def _label(value) -> str:

@@ -239,6 +239,10 @@ CAPTURES = [
     Capture("check_stacking", ["python scripts/check_stacking.py --tokens 32"], timeout_s=1800),
     Capture("19_gpu", ["python 19_gpu.py --threads 1"], needs="triton"),
     Capture("21_adapters", ["python 21_adapters.py --steps 32 --measure"], timeout_s=1800),
+    Capture("22_replicas", ["python 22_replicas.py"]),
+    Capture("22_replicas_tenants", ["python 22_replicas.py --measure tenants"], timeout_s=1800, needs="ray"),
+    Capture("22_replicas_throughput", ["python 22_replicas.py --measure throughput --repeats 3"], timeout_s=1800,
+            needs="ray"),
     Capture("18_tensor_parallel_refused", ["python 18_tensor_parallel.py --tensor-parallel-size 2 2>&1 || true"],
             timeout_s=300),
     Capture("18_tensor_parallel_scaling", [

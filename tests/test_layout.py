@@ -78,7 +78,7 @@ class Module:
 # chapter numbers: 01-06 are all Chapter 1, 07 is Chapter 2, number 08 holds two chapters told
 # apart by name (the KV cache, then the roofline), and from 09 on script NN is Chapter NN - 4.
 SHARED_NUMBER = {"08_kv_cache": 3, "08_roofline": 4}
-LAST_CHAPTER = 17   # Chapter 17, adapters (scripts 21_*)
+LAST_CHAPTER = 18   # Chapter 18, replicas (scripts 22_*)
 
 
 def book_chapter(name: str) -> int:
