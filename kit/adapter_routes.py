@@ -27,6 +27,11 @@ RUNTIME_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")   # the ad
 MAX_NAME_CHARS = 128
 
 
+def next_lora_id(engine) -> int:
+    """An id no adapter the engine holds has (vLLM's lora_int_id, from 1)."""
+    return max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
+
+
 def add_lora_modules(engine, modules: list[str]) -> None:
     """Each NAME=PATH read and checked now, named as a model a request may pick."""
     from minivllm.lora import LoRARequest   # only a server that serves adapters needs it
@@ -35,8 +40,7 @@ def add_lora_modules(engine, modules: list[str]) -> None:
         return
     if not engine.capabilities().serves_adapters:
         raise ValueError("--lora-modules needs an engine that serves adapters: minivllm:LLM with --enable-lora")
-    first = max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
-    for i, module in enumerate(modules, start=first):
+    for i, module in enumerate(modules, start=next_lora_id(engine)):
         name, sep, path = module.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
@@ -92,9 +96,8 @@ def install_runtime_updates(app: FastAPI, engine, lora_dir: str | Path, model_na
         folder = folder_under(lora_dir, body.lora_path)
         if body.lora_name in held:   # in place: running requests keep the weights they started with
             engine.remove_lora(held[body.lora_name].lora_int_id)
-        lora_id = max((a.lora_int_id for a in engine.list_loras()), default=0) + 1
         try:   # the disk read and the checks, off the event loop
-            await run_in_threadpool(engine.add_lora, LoRARequest(body.lora_name, lora_id, str(folder)))
+            await run_in_threadpool(engine.add_lora, LoRARequest(body.lora_name, next_lora_id(engine), str(folder)))
         except ValueError as exc:
             raise APIError(400, f"cannot load {body.lora_name!r}: {exc}", param="lora_path") from exc
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
