@@ -13,7 +13,9 @@ The loop needs from its engine only `step()`, `new_request()`, `_leave()`, `_des
 from __future__ import annotations
 
 import atexit
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -35,13 +37,28 @@ def close_at_exit(engine) -> None:
     _STARTED.add(engine)
 
 
+EXIT_JOIN_S = 10.0   # how long interpreter exit waits for a loop thread to finish its step
+
+
 @atexit.register
 def _close_started() -> None:
+    stuck = False
     for engine in list(_STARTED):
         try:
+            if isinstance(engine, EngineLoop) and not engine.stop_loop(EXIT_JOIN_S):
+                stuck = True           # close() would wait for it forever: close only what it started
+                runner = getattr(engine, "runner", None)
+                if runner is not None:
+                    runner.close()
+                continue
             engine.close()
         except Exception:   # noqa: BLE001 - at exit, one engine's failure must not keep the others open
             pass
+    if stuck:   # a step that never returns must not keep the process alive: its workers are closed above
+        interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+        sys.stderr.write(f"[engine] the engine loop did not stop within {EXIT_JOIN_S:.0f} s; exiting without it\n")
+        sys.stderr.flush()
+        os._exit(130 if interrupted else 1)
 
 
 class EngineUnavailable(RuntimeError):
@@ -166,13 +183,20 @@ class EngineLoop:
     def close(self) -> None:
         """Stop the engine loop, so that the engine can be freed; what is in flight fails.
         A later submit starts a new loop."""
+        self.stop_loop(None)
+
+    def stop_loop(self, timeout_s: float | None) -> bool:
+        """Ask the loop to stop after its step and wait up to timeout_s (None: as long as it takes).
+        True once no loop thread runs."""
         with self._cv:
             if self._thread is None:
-                return
+                return True
             thread, self._closing = self._thread, True
             self._cv.notify()
-        if thread is not threading.current_thread():
-            thread.join()
+        if thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     # --8<-- [start:interface]
     def generate_stream(self, prompt: str, max_new_tokens: int,
@@ -254,7 +278,12 @@ class RequestStream:
     def __next__(self) -> str | GenerateResult:
         if self.done:
             raise StopIteration
-        kind, value = self.request.sink.get()
+        while True:   # woken now and then: a Ctrl-C the OS handed to the loop thread is raised here promptly
+            try:
+                kind, value = self.request.sink.get(timeout=0.25)
+                break
+            except queue.Empty:
+                continue
         if kind in ("done", "error", "aborted"):
             self.done = True
         if kind == "error":

@@ -180,3 +180,33 @@ def test_ctrl_c_without_close_exits_130_leaving_no_child(tiny_model_dir):
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
+
+
+STUCK_SCRIPT = """
+import sys, threading, time
+import minivllm.engine_loop as engine_loop
+from minivllm import LLM, SamplingParams
+engine_loop.EXIT_JOIN_S = 1.0
+llm = LLM(sys.argv[1], device="cpu", kv_memory="8MB")
+def step_forever():                      # a step that never returns (a hung kernel, a dead peer)
+    print("READY", flush=True)
+    threading.Event().wait()
+llm.step = step_forever
+llm.generate(["Hello"], SamplingParams(max_tokens=8))
+"""
+
+
+def test_ctrl_c_during_a_step_that_never_returns_still_exits_130(tiny_model_dir):
+    child = subprocess.Popen([sys.executable, "-c", STUCK_SCRIPT, str(tiny_model_dir)], cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        while "READY" not in child.stdout.readline():
+            assert child.poll() is None, child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGINT)
+        rc = child.wait(timeout=60)
+        assert rc == 130, (rc, child.stderr.read()[-2000:])
+        assert "did not stop within 1 s" in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
