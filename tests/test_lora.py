@@ -200,3 +200,32 @@ def test_the_server_serves_an_adapter_as_a_model_name(engine, adapters, referenc
     assert unknown.status_code == 404
     with pytest.raises(ValueError, match="NAME=PATH"):
         adapter_routes.add_lora_modules(engine, ["no-equals-sign"])
+
+
+MIXED = [0, None, 1]      # two adapters and the base; a CUDA graph's decode steps pad 3 rows to 4
+SHORT = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def mixed_batch(engine, adapters, prompts):
+    reqs = list(requests_of(adapters).values())
+    loras = [None if i is None else reqs[i] for i in MIXED]
+    return [r.output_ids for r in engine.generate(prompts[:len(loras)], SHORT, lora_request=loras)]
+
+
+def test_the_graph_path_reads_each_rows_slot_from_a_static_buffer(tiny_model_dir, engine, adapters,
+                                                                  reference_prompts, monkeypatch):
+    """CUDA graphs (Chapter 15) stay on with adapters: on the CPU the same padded, static-buffer
+    path runs eagerly, each row's slot and on/off read from the buffers a graph would record."""
+    from minivllm.cuda_graphs import CUDAGraphRunner
+    from minivllm.lora import LoRAGraphRunner, RowPlan
+
+    expected = mixed_batch(engine, adapters, reference_prompts)
+    steps = []
+    fill = LoRAGraphRunner.fill
+    monkeypatch.setattr(LoRAGraphRunner, "fill", lambda self, *a: steps.append(fill(self, *a)) or steps[-1])
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory=4 << 20, enable_lora=True, max_loras=2,
+             max_lora_rank=8, enforce_eager=False, max_num_seqs=8) as graphs:
+        assert isinstance(graphs.runner, CUDAGraphRunner)
+        assert mixed_batch(graphs, adapters, reference_prompts) == expected
+        assert isinstance(graphs.lora.plan, RowPlan)
+    assert steps.count(4) >= SHORT.max_tokens - 1, steps      # the decode steps took the padded path
