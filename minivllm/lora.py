@@ -258,9 +258,9 @@ class LoRA:
     # --8<-- [start:call]
     def __call__(self, model: LlamaModel) -> LlamaModel:
         """The model with every layer's four projections wrapped: slots of zeros, filled on demand.
-        On a tensor-parallel rank the slots take the rank's share: all of A and B's rows of the
-        rank's columns for q, k, v, gate and up; A's columns of the rank's rows and all of B for o
-        and down, whose partial sums join the base's before its one all-reduce."""
+        On a tensor-parallel rank the slots hold the rank's share: for q, k, v, gate and up all of
+        A and the rows of B that make the rank's outputs; for o and down the columns of A that read
+        the rank's inputs and all of B, the delta a partial sum added before the base's all-reduce."""
         self.config, sizes, w = model.config, module_sizes(model.config), dict(model.w)
         self.whole = self.shard.whole if self.shard is not None else model.config
         self.slots = {}
