@@ -184,11 +184,10 @@ class EngineConfig:
             raise ValueError("draft_model needs speculative='draft'")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        lora_refused = [name for name in ("speculative", "tensor_parallel_size") if getattr(self, name)]
-        if self.enable_lora and lora_refused:   # Chapter 17: adapters ride the forward of one process
-            raise ValueError(f"enable_lora does not combine with {', '.join(lora_refused)} yet: adapters are "
-                             f"applied in one process's forward, and speculation would verify without them")
-        eager_only = [name for name in ("compile", "speculative", "tensor_parallel_size", "enable_lora")
+        if self.enable_lora and self.speculative:   # Chapter 17
+            raise ValueError("enable_lora does not combine with speculative: the guesses would be drafted and "
+                             "verified without each request's adapter, so its output would not be the adapter's")
+        eager_only = [name for name in ("compile", "speculative", "tensor_parallel_size")
                       if getattr(self, name)]
         if self.enforce_eager is False and eager_only:
             raise ValueError(f"enforce_eager=False (CUDA graphs, Chapter 15) does not combine with "

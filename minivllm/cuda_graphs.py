@@ -182,16 +182,19 @@ class CUDAGraphs:
     """CUDA graphs as a feature the engine is handed (`enforce_eager=False`, or by default on a
     GPU): it builds the model runner. The scheduler and the block manager stay as they are; the
     block manager is only told of one block fewer (the scratch block). Graphs record Chapter 6's
-    forward, whatever the weight format; a compiled model (Chapter 13), a speculative step
-    (Chapter 10) and a tensor-parallel group (Chapter 14) decode eagerly (minivllm/config.py)."""
+    forward, whatever the weight format, adapters too (Chapter 17); a compiled model (Chapter 13),
+    a speculative step (Chapter 10) and a tensor-parallel group (Chapter 14) decode eagerly
+    (minivllm/config.py)."""
 
     name = "cuda_graphs"
 
     def __init__(self, max_num_seqs: int, max_model_len: int):
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
 
-    def runner(self, model: LlamaModel, kv: KVPool) -> CUDAGraphRunner:
-        runner = CUDAGraphRunner(model, kv, self.max_num_seqs, self.max_model_len)
+    def runner(self, model: LlamaModel, kv: KVPool, build=CUDAGraphRunner) -> CUDAGraphRunner:
+        """The runner (`build`: this one, or Chapter 17's, whose rows read their adapter's slot from
+        a static buffer too), its graphs captured on a GPU."""
+        runner = build(model, kv, self.max_num_seqs, self.max_model_len)
         if model.device.type == "cuda" and torch.cuda.is_available():
             seconds = runner.capture()
             print(f"[engine] CUDA graphs for decode batches of {runner.buckets} captured in {seconds:.1f} s"

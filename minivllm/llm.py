@@ -68,7 +68,7 @@ def weight_steps(config: EngineConfig) -> list:
 def decode_graphs(config: EngineConfig, device: torch.device, max_model_len: int) -> CUDAGraphs | None:
     """Chapter 15: decode steps from CUDA graphs, by default wherever there is CUDA (on the CPU
     only when asked, enforce_eager=False: the same padded path, run eagerly)."""
-    eager_only = config.compile or config.speculative or config.tensor_parallel_size is not None or config.enable_lora
+    eager_only = config.compile or config.speculative or config.tensor_parallel_size is not None
     if config.enforce_eager or (config.enforce_eager is None and (device.type != "cuda" or eager_only)):
         return None
     return CUDAGraphs(config.max_num_seqs, max_model_len)
@@ -208,7 +208,8 @@ class LLM(LLMEngine):
         num_blocks = blocks_in(full, config.pool_bytes, config.block_size, dtype)   # no block: refused unloaded
         if config.tensor_parallel_size is not None:   # every rank loads its shard, then the same steps
             parallel = TensorParallel(config.tensor_parallel_size, self.folder, device)
-            return parallel.start(self.folder, dtype, device, num_blocks, config.block_size, weight_steps(config))
+            return parallel.start(self.folder, dtype, device, num_blocks, config.block_size,
+                                  weight_steps(config) + ([self.lora] if self.lora else []))
         weights = load_model(self.folder, dtype, device, weight_steps(config) + ([self.lora] if self.lora else []))
         if sized_later:
             num_blocks = blocks_in(full, kv_memory_left(device, config.gpu_memory_utilization, step_headroom(
@@ -216,7 +217,7 @@ class LLM(LLMEngine):
         pool = KVPool(weights.config, num_blocks, config.block_size, weights.dtype, weights.device)
         graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
         if graphs:
-            return graphs.runner(weights, pool)
+            return self.lora.graph_runner(graphs, weights, pool) if self.lora else graphs.runner(weights, pool)
         return self.lora.runner(weights, pool) if self.lora else ModelRunner(weights, pool)
     # --8<-- [end:init]
 

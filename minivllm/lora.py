@@ -12,122 +12,31 @@ The rows of a step are grouped by adapter (Punica's SGMV, S-LoRA's idea): one ga
 rows, one batched shrink and one batched expand over the step's adapters, one add back. The
 model's fused projections stay fused: an adapter on q alone writes q's slice of qkv's output.
 At most `max_loras` adapters sit in the device slots that the step reads; more wait in host
-memory (`max_cpu_loras`) and take the least recently used slot when a step needs them.
+memory (`max_cpu_loras`) and take the least recently used slot when a step needs them. peft's
+files are read and checked in lora_files.py.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
-import json
-import math
-import re
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from minivllm.config import check_option
+from minivllm.cuda_graphs import CUDAGraphRunner, CUDAGraphs
+from minivllm.lora_files import LoRARequest, module_sizes, read_adapter
 from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner
+from minivllm.parallel import RowParallel, Shard
 from minivllm.weights import matmul
 
-MAX_NAME_CHARS = 256
-# peft's module name -> (our fused weight, which part of its output)
-PACKED = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-          "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# our fused weights -> peft's modules stacked in each, in the order of the weight's output rows
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
-TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-# --8<-- [start:request]
-@dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's handle on an adapter: a name, an id >= 1 that identifies it, the folder peft saved."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not 0 < len(self.lora_name) <= MAX_NAME_CHARS:
-            raise ValueError(f"lora_name must be 1 to {MAX_NAME_CHARS} characters, got {self.lora_name!r:.80}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
-        if not isinstance(self.lora_path, (str, Path)) or not str(self.lora_path):
-            raise ValueError(f"lora_path must be a folder, got {self.lora_path!r:.80}")
-# --8<-- [end:request]
-
-
-def module_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each of peft's seven target modules in this model."""
-    h, q, kv, f = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
-        config.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-
-
-def pattern_value(patterns: dict, name: str, default):
-    """peft's rank_pattern/alpha_pattern: the first key that names this module (a suffix of its
-    full name, as peft matches it), else the default."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", name):
-            return value
-    return default
-
-
-# --8<-- [start:load]
-REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "layers_to_transform": "layers_to_transform",
-           "fan_in_fan_out": "fan_in_fan_out", "layers_pattern": "layers_pattern"}
-
-
-def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> dict:
-    """peft's files -> {(layer, module): (A [r, in], B·scale [out, r])}, every tensor checked
-    against the model; what cannot be applied beside the base weights is refused, with why."""
-    folder = Path(path)
-    cfg_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not cfg_file.is_file() or not weights_file.is_file():
-        raise ValueError(f"{folder} is not a peft adapter: adapter_config.json and adapter_model.safetensors needed")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{folder}: peft_type {cfg.get('peft_type')!r} is not LoRA")
-    refused = [why for key, why in REFUSED.items() if cfg.get(key)]
-    if cfg.get("bias", "none") != "none":
-        refused.append(f"bias={cfg['bias']!r}")
-    if refused:
-        raise ValueError(f"{folder}: cannot apply {', '.join(refused)} beside the base weights (plain LoRA only)")
-    r0, alpha0, rs = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora"))
-    sizes, tensors, out = module_sizes(config), load_file(weights_file), {}
-    for key in tensors:
-        m = TENSOR_NAME.match(key)
-        if not m or m[2] not in PACKED:
-            raise ValueError(f"{folder}: {key} adapts a module this engine cannot adapt (only the seven "
-                             f"projections of each layer: {', '.join(PACKED)})")
-        layer, module = int(m[1]), m[2]
-        if layer >= config.num_layers:
-            raise ValueError(f"{folder}: {key} names layer {layer}, the model has {config.num_layers}")
-        if m[3] == "B":
-            continue
-        a, b = tensors[key], tensors.get(key[:-len("lora_A.weight")] + "lora_B.weight")
-        name = f"model.layers.{layer}.{m[2]}"
-        r = int(pattern_value(cfg.get("rank_pattern") or {}, name, r0))
-        alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, name, alpha0))
-        fan_in, fan_out = sizes[module]
-        if b is None or a.shape != (r, fan_in) or b.shape != (fan_out, r):
-            raise ValueError(f"{folder}: {name} has A {tuple(a.shape)} and B "
-                             f"{None if b is None else tuple(b.shape)}; this model and r={r} need "
-                             f"{(r, fan_in)} and {(fan_out, r)}")
-        if r > max_rank:
-            raise ValueError(f"{folder}: {name} has rank {r}, above max_lora_rank={max_rank}")
-        scale = alpha / math.sqrt(r) if rs else alpha / r      # rsLoRA keeps a rank-r update's size steady
-        out[(layer, module)] = (a.float(), b.float() * scale)
-    if not out:
-        raise ValueError(f"{folder}: no LoRA weights (target_modules matched nothing?)")
-    return out
-# --8<-- [end:load]
 
 
 @dataclass(eq=False)
@@ -173,6 +82,18 @@ def plan_step(row_slots: list[int | None], lengths: list[int], device) -> StepPl
 # --8<-- [end:plan]
 
 
+# --8<-- [start:row-plan]
+@dataclass
+class RowPlan:
+    """A CUDA graph's plan (Chapter 15): one token a row, each row's slot in a static buffer, and
+    a 1 beside each row that has an adapter, 0 beside the base's rows and the padding. A graph
+    records the addresses; every replay reads the values the step wrote there."""
+
+    slot: torch.Tensor       # [rows] long: the row's slot (any slot where `on` is 0)
+    on: torch.Tensor         # [rows] the model's dtype: 1 where the row's adapter applies
+# --8<-- [end:row-plan]
+
+
 # --8<-- [start:weight]
 class LoRAWeight:
     """A base weight with the step's adapters beside it: x·Wᵀ, plus, for the rows that have one,
@@ -193,6 +114,11 @@ class LoRAWeight:
         y, plan = matmul(self.wrapped, x), self.slots.plan
         if plan is None:                     # no row has an adapter: the base's cost, nothing more
             return y
+        if isinstance(plan, RowPlan):        # a graph's decode step: each row gathers its own slot
+            slot, on = plan.slot[:x.shape[0]], plan.on[:x.shape[0], None]
+            a, b = self.a[slot], self.b[slot]                     # [rows, parts·rank, in], [rows, out, ...]
+            delta = torch.bmm(torch.bmm(x[:, None].to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2))
+            return y + (delta[:, 0] * on).to(y.dtype)
         a, b = self.a[plan.slots], self.b[plan.slots]             # the step's adapters only
         rows = x[plan.gather].to(a.dtype)                         # [S, longest, in]
         delta = torch.bmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2))   # shrink, expand
@@ -214,8 +140,12 @@ class LoRA:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.config: ModelConfig | None = None
-        self.plan: StepPlan | None = None
+        self.config: ModelConfig | None = None    # the model's, as this process holds it (a rank's share)
+        self.whole: ModelConfig | None = None     # the whole model's: what an adapter's shapes must match
+        self.shard: Shard | None = None           # a tensor-parallel rank's (Chapter 14): A and B split too
+        self.plan: StepPlan | RowPlan | None = None
+        self.copies: list = []                    # this step's slot writes, which the other ranks repeat
+        self.followed: collections.OrderedDict[int, dict] = collections.OrderedDict()   # a worker's adapters
         self.host: collections.OrderedDict[int, Adapter] = collections.OrderedDict()   # by lora_int_id, LRU order
         self.in_slot: list[int | None] = [None] * max_loras       # each slot's adapter key
         self.slot_lru: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(max_loras))
@@ -223,10 +153,22 @@ class LoRA:
         self._keys, self._lock = itertools.count(1), threading.Lock()
         self.num_swaps = 0
 
+    def __reduce__(self):
+        """What a tensor-parallel worker receives: the options only. It reads its own share of each
+        adapter when rank 0 first puts that adapter in a slot."""
+        return LoRA, (self.max_loras, self.max_rank, self.max_cpu_loras)
+
+    def split_as(self, shard: Shard) -> None:
+        self.shard = shard
+
     # --8<-- [start:call]
     def __call__(self, model: LlamaModel) -> LlamaModel:
-        """The model with every layer's four projections wrapped: slots of zeros, filled on demand."""
+        """The model with every layer's four projections wrapped: slots of zeros, filled on demand.
+        On a tensor-parallel rank the slots hold the rank's share: for q, k, v, gate and up all of
+        A and the rows of B that make the rank's outputs; for o and down the columns of A that read
+        the rank's inputs and all of B, the delta a partial sum added before the base's all-reduce."""
         self.config, sizes, w = model.config, module_sizes(model.config), dict(model.w)
+        self.whole = self.shard.whole if self.shard is not None else model.config
         self.slots = {}
         for i in range(model.config.num_layers):
             for fused, parts in FUSED.items():
@@ -237,8 +179,9 @@ class LoRA:
                 b = torch.zeros(self.max_loras, fan_out, len(parts) * self.max_rank, dtype=model.dtype,
                                 device=model.device)
                 self.slots[(i, fused)] = (a, b)
-                name = f"model.layers.{i}.{fused}"
-                w[name] = LoRAWeight(w[name], self, a, b)
+                name, base = f"model.layers.{i}.{fused}", w[f"model.layers.{i}.{fused}"]
+                w[name] = base.replace(LoRAWeight(base.wrapped, self, a, b)) if isinstance(base, RowParallel) \
+                    else LoRAWeight(base, self, a, b)
         return model.with_weights(w)
     # --8<-- [end:call]
 
@@ -260,7 +203,7 @@ class LoRA:
             if held is not None:
                 self.host.move_to_end(request.lora_int_id)
                 return held
-        weights = read_adapter(request.lora_path, self.config, self.max_rank)   # outside the lock: disk
+        weights = read_adapter(request.lora_path, self.whole, self.max_rank)   # outside the lock: disk
         with self._lock:
             if request.lora_int_id in self.host:
                 return self.host[request.lora_int_id]
@@ -294,10 +237,23 @@ class LoRA:
             if self.in_use[adapter.key] <= 0:
                 del self.in_use[adapter.key]
 
+    def admit(self, request) -> None:
+        if request.adapter is not None:
+            self.hold(request.adapter)        # in host memory until it leaves
+
+    def release(self, request) -> None:
+        if request.adapter is not None:
+            self.let_go(request.adapter)
+
     # --8<-- [start:activate]
     def activate(self, adapters: list[Adapter | None], lengths: list[int], device) -> None:
-        """Before a step: each distinct adapter in a device slot (the least recently used slot
-        that no row of this step needs is overwritten), then the step's plan."""
+        """Before a step: each distinct adapter in a device slot, then the step's plan."""
+        self.plan = plan_step(self.place(adapters), lengths, device)
+
+    def place(self, adapters: list[Adapter | None]) -> list[int | None]:
+        """Each distinct adapter of the step in a device slot (the least recently used slot that no
+        row of this step needs is overwritten); each row's slot, None for the base's rows."""
+        self.copies = []
         wanted = list({a.key: a for a in adapters if a is not None}.values())
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step with {len(wanted)} adapters, max_loras={self.max_loras}")
@@ -308,13 +264,45 @@ class LoRA:
         for adapter in wanted:
             if adapter.key not in slot_of:
                 free = next(s for s in self.slot_lru if s not in slot_of.values())
-                self._copy_in(adapter, free)
+                self._copy_in(adapter.key, adapter.weights, free)
+                self.copies.append((free, adapter.request, adapter.key))
                 slot_of[adapter.key] = free
             self.slot_lru.move_to_end(slot_of[adapter.key])
-        self.plan = plan_step([None if a is None else slot_of[a.key] for a in adapters], lengths, device)
+        return [None if a is None else slot_of[a.key] for a in adapters]
     # --8<-- [end:activate]
 
-    def _copy_in(self, adapter: Adapter, slot: int) -> None:
+    # --8<-- [start:ranks]
+    def lead(self, requests, lengths: list[int], device) -> tuple:
+        """Rank 0, before a tensor-parallel step (Chapter 14): its own slots and plan, and the note
+        every other rank follows: which adapter went into which slot, which row takes which slot."""
+        rows = self.place([r.adapter for r in requests])
+        self.plan = plan_step(rows, lengths, device)
+        with self._lock:   # what the other ranks may keep: what rank 0 holds, or still runs with
+            held = {a.key for a in self.host.values()} | set(self.in_use)
+        return rows, self.copies, held
+
+    def follow(self, note: tuple, lengths: list[int], device) -> None:
+        """Any other rank: the same slots as rank 0, each filled with this rank's share, read from
+        the adapter's folder once and kept while rank 0 keeps the adapter; then the same plan."""
+        rows, copies, held = note
+        for slot, request, key in copies:
+            if key not in self.followed:
+                self.followed[key] = read_adapter(request.lora_path, self.whole, self.max_rank)
+            self._copy_in(key, self.followed[key], slot)
+        for key in [k for k in self.followed if k not in held]:
+            del self.followed[key]
+        self.plan = plan_step(rows, lengths, device)
+
+    def local(self, part: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of one module's A and B, cut as Chapter 14 cuts the module's weight:
+        B's rows of a column-split one (q, k, v, gate, up), A's columns of a row-split one (o, down)."""
+        if self.shard is None:
+            return a, b
+        index = self.shard.part(f"{part}.weight", self.whole)
+        return (a, b[index]) if len(index) == 1 else (a[index], b)
+    # --8<-- [end:ranks]
+
+    def _copy_in(self, key: int, weights: dict, slot: int) -> None:
         """Write an adapter into a slot: each module's A and B at its part's rows and columns, zero elsewhere."""
         r, sizes = self.max_rank, module_sizes(self.config)
         for (i, fused), (a, b) in self.slots.items():
@@ -323,17 +311,20 @@ class LoRA:
             row = 0
             for j, part in enumerate(FUSED[fused]):
                 out = sizes[part][1]
-                pair = adapter.weights.get((i, part))
+                pair = weights.get((i, part))
                 if pair is not None:
-                    la, lb = pair
+                    la, lb = self.local(part, *pair)
                     a[slot, j * r: j * r + la.shape[0]] = la.to(a.dtype)
                     b[slot, row: row + out, j * r: j * r + la.shape[0]] = lb.to(b.dtype)
                 row += out
-        self.in_slot[slot] = adapter.key
+        self.in_slot[slot] = key
         self.num_swaps += 1
 
     def runner(self, model: LlamaModel, kv) -> LoRARunner:
         return LoRARunner(model, kv, self)
+
+    def graph_runner(self, graphs: CUDAGraphs, model: LlamaModel, kv) -> LoRAGraphRunner:
+        return graphs.runner(model, kv, functools.partial(LoRAGraphRunner, lora=self))
 
     def features(self) -> dict:
         return {"lora": {"max_loras": self.max_loras, "max_lora_rank": self.max_rank,
@@ -353,13 +344,53 @@ class LoRARunner(ModelRunner):
         return super().prepare(requests, starts, lengths, places)
 
     def admit(self, request) -> None:
-        if request.adapter is not None:
-            self.lora.hold(request.adapter)   # in host memory until it leaves
+        self.lora.admit(request)              # its adapter stays in host memory until it leaves
 
     def release(self, request) -> None:
-        if request.adapter is not None:
-            self.lora.let_go(request.adapter)
+        self.lora.release(request)
 
     def features(self) -> dict:
         return self.lora.features()
 # --8<-- [end:runner]
+
+
+# --8<-- [start:graph-runner]
+class LoRAGraphRunner(CUDAGraphRunner):
+    """Chapter 15's runner with adapters: a decode step writes each row's slot into one more static
+    buffer, which every graph reads (RowPlan); the steps that stay eager take Chapter 17's plan."""
+
+    def __init__(self, model: LlamaModel, kv, max_num_seqs: int, max_model_len: int, lora: LoRA):
+        super().__init__(model, kv, max_num_seqs, max_model_len)
+        rows, self.lora = self.buckets[-1], lora
+        self.rows = RowPlan(torch.zeros(rows, dtype=torch.long, device=model.device),
+                            torch.zeros(rows, dtype=model.dtype, device=model.device))
+
+    def prepare(self, requests, starts, lengths, places):
+        self.lora.activate([r.adapter for r in requests], lengths, self.model.device)
+        return super().prepare(requests, starts, lengths, places)
+
+    def fill(self, requests, starts, places) -> int:
+        size = super().fill(requests, starts, places)
+        slots = self.lora.place([r.adapter for r in requests])
+        pad = [None] * (size - len(slots))    # padding rows, like the base's, apply nothing
+        self.rows.slot[:size].copy_(torch.tensor([s or 0 for s in slots + pad], dtype=torch.long))
+        self.rows.on[:size].copy_(torch.tensor([s is not None for s in slots + pad], dtype=self.rows.on.dtype))
+        self.lora.plan = self.rows
+        return size
+
+    def capture(self) -> float:
+        self.lora.plan = self.rows            # every graph records the per-row path over these buffers
+        try:
+            return super().capture()
+        finally:
+            self.lora.plan = None
+
+    def admit(self, request) -> None:
+        self.lora.admit(request)
+
+    def release(self, request) -> None:
+        self.lora.release(request)
+
+    def features(self) -> dict:
+        return self.lora.features()
+# --8<-- [end:graph-runner]

@@ -173,6 +173,7 @@ class Shard:
         if model.part != self.part:
             model = cut(model, self.part)
         c, w, comm = model.config, model.w, self.comm
+        self.whole = c            # the whole model's config, which `part` reads (Chapter 17's adapters too)
         heads, kv_heads, mlp = rank_counts(c, self.size)
         per_rank = vocab_rows(c.vocab_size, self.size)
         table = lambda rows: VocabShard.of(rows, self.rank * per_rank, per_rank, c.vocab_size, comm)  # noqa: E731
@@ -240,18 +241,35 @@ def gather_stats(model: LlamaModel, kv: KVPool, comm: Collectives) -> list[dict]
     return everyone
 
 
+def rank_steps(shard: Shard, features: list) -> list:
+    """A rank's load: its shard, then the features. One with matrices of its own to split (Chapter
+    17's adapters: A and B, split as the weights they sit beside) is told the rank's shard first."""
+    for feature in features:
+        if hasattr(feature, "split_as"):
+            feature.split_as(shard)
+    return [shard, *features]
+
+
+def riders(features: list) -> list:
+    """The features that ride every step (Chapter 17's adapters): rank 0's copy notes what it set
+    up for the step (`lead`), the step carries the notes, and every other rank's copy follows them."""
+    return [feature for feature in features if hasattr(feature, "follow")]
+
+
 # --8<-- [start:worker]
 def run_worker(rank: int, size: int, device: torch.device) -> None:
     """A worker's life: receive the setup (the model's folder and the features that follow the
     shard, a weight format or compiled steps), load its shard, then run each step rank 0 sends."""
     comm = Collectives(rank, size, device)
     _, folder, dtype, num_blocks, block_size, features = comm.broadcast()
-    model = load_model(folder, getattr(torch, dtype), device, [Shard(rank, size, comm), *features])
+    model = load_model(folder, getattr(torch, dtype), device, rank_steps(Shard(rank, size, comm), features))
     kv = KVPool(model.config, num_blocks, block_size, model.dtype, device)
     while True:
         message = comm.broadcast()
         if message[0] == "step":
-            _, new_tokens, places, starts, num_logits = message
+            _, new_tokens, places, starts, num_logits, notes = message
+            for feature, note in zip(riders(features), notes):    # the step's adapters, as rank 0 placed them
+                feature.follow(note, [len(t) for t in new_tokens], device)
             model.forward(kv.batch(new_tokens, places, starts, device), kv, num_logits=num_logits)   # rank 0 samples
         elif message[0] == "stats":
             gather_stats(model, kv, comm)

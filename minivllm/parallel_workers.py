@@ -34,7 +34,7 @@ from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.collectives import Collectives
 from minivllm.engine_loop import EngineUnavailable
-from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, run_worker
+from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, rank_steps, riders, run_worker
 
 # --8<-- [start:feature]
 class TensorParallel:
@@ -66,13 +66,13 @@ class TensorParallel:
             comm = Collectives(0, self.size, device)
             comm.broadcast(("setup", str(folder), str(dtype).removeprefix("torch."), num_blocks, block_size,
                             list(features)))
-            model = load_model(folder, dtype, device, [Shard(0, self.size, comm), *features])
+            model = load_model(folder, dtype, device, rank_steps(Shard(0, self.size, comm), list(features)))
             pool = KVPool(model.config, num_blocks, block_size, model.dtype, model.device)
         except BaseException:
             if group:
                 group.close()
             raise
-        return TensorParallelRunner(model, pool, comm, group)
+        return TensorParallelRunner(model, pool, comm, group, riders(list(features)))
 # --8<-- [end:feature]
 
 
@@ -80,9 +80,11 @@ class TensorParallel:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: each step's batch goes to every worker before the forward."""
 
-    def __init__(self, model: LlamaModel, kv: KVPool, comm: Collectives, group: ProcessGroup | None):
+    def __init__(self, model: LlamaModel, kv: KVPool, comm: Collectives, group: ProcessGroup | None,
+                 riders: Sequence = ()):
         super().__init__(model, kv)
         self.comm, self.group, self.lock, self.closed = comm, group, threading.Lock(), False
+        self.riders = list(riders)     # features that set up each step on every rank (Chapter 17's adapters)
         self.steps: collections.deque = collections.deque(maxlen=4096)   # timings of recent steps
         atexit.register(self.close)
 
@@ -96,7 +98,8 @@ class TensorParallelRunner(ModelRunner):
             start = time.perf_counter()
             try:
                 new_tokens = [r.tokens(s, n) for r, s, n in zip(requests, starts, lengths)]
-                comm.broadcast(("step", new_tokens, places, starts, num_logits))
+                notes = [rider.lead(requests, lengths, self.model.device) for rider in self.riders]
+                comm.broadcast(("step", new_tokens, places, starts, num_logits, notes))
                 logits = self.model.forward(self.kv.batch(new_tokens, places, starts, self.model.device), self.kv,
                                             num_logits=num_logits)
             except BaseException as exc:   # ranks may now wait at different collectives: the group cannot go on
@@ -111,6 +114,17 @@ class TensorParallelRunner(ModelRunner):
                                "seconds": time.perf_counter() - start, "comm_seconds": comm.seconds,
                                **comm.count, **{f"{k}_bytes": v for k, v in comm.bytes.items()}})
             return logits
+
+    def admit(self, request) -> None:
+        for rider in self.riders:
+            rider.admit(request)
+
+    def release(self, request) -> None:
+        for rider in self.riders:
+            rider.release(request)
+
+    def features(self) -> dict:
+        return {name: value for rider in self.riders for name, value in rider.features().items()}
 
     def warm_up(self) -> float:
         """Every rank warms up together: a compiled model's warm-up steps run collectives."""

@@ -154,7 +154,7 @@ def test_refusals_at_load_say_why(tiny_model_dir, adapters, tmp_path):
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(str(tiny_model_dir), device="cpu", kv_memory=1 << 20).new_request("hi", 2, None, None,
                                                                              LoRARequest("x", 1, str(folder)))
-    with pytest.raises(ValueError, match="enable_lora does not combine"):
+    with pytest.raises(ValueError, match="enable_lora does not combine with speculative: .* without each request's adapter"):
         LLM(str(tiny_model_dir), device="cpu", enable_lora=True, speculative="ngram")
     with pytest.raises(ValueError, match="max_loras"):
         LoRA(max_loras=0)
@@ -200,3 +200,64 @@ def test_the_server_serves_an_adapter_as_a_model_name(engine, adapters, referenc
     assert unknown.status_code == 404
     with pytest.raises(ValueError, match="NAME=PATH"):
         adapter_routes.add_lora_modules(engine, ["no-equals-sign"])
+
+
+MIXED = [0, None, 1]      # two adapters and the base; a CUDA graph's decode steps pad 3 rows to 4
+SHORT = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def mixed_batch(engine, adapters, prompts):
+    reqs = list(requests_of(adapters).values())
+    loras = [None if i is None else reqs[i] for i in MIXED]
+    return [r.output_ids for r in engine.generate(prompts[:len(loras)], SHORT, lora_request=loras)]
+
+
+def test_the_graph_path_reads_each_rows_slot_from_a_static_buffer(tiny_model_dir, engine, adapters,
+                                                                  reference_prompts, monkeypatch):
+    """CUDA graphs (Chapter 15) stay on with adapters: on the CPU the same padded, static-buffer
+    path runs eagerly, each row's slot and on/off read from the buffers a graph would record."""
+    from minivllm.config import EngineConfig
+    from minivllm.cuda_graphs import CUDAGraphRunner
+    from minivllm.llm import decode_graphs
+    from minivllm.lora import LoRAGraphRunner, RowPlan
+
+    assert decode_graphs(EngineConfig(enable_lora=True), torch.device("cuda"), 512) is not None   # on by default
+
+    expected = mixed_batch(engine, adapters, reference_prompts)
+    steps = []
+    fill = LoRAGraphRunner.fill
+    monkeypatch.setattr(LoRAGraphRunner, "fill", lambda self, *a: steps.append(fill(self, *a)) or steps[-1])
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory=4 << 20, enable_lora=True, max_loras=2,
+             max_lora_rank=8, enforce_eager=False, max_num_seqs=8) as graphs:
+        assert isinstance(graphs.runner, CUDAGraphRunner)
+        assert mixed_batch(graphs, adapters, reference_prompts) == expected
+        assert isinstance(graphs.lora.plan, RowPlan)
+    assert steps.count(4) >= SHORT.max_tokens - 1, steps      # the decode steps took the padded path
+
+
+@pytest.mark.parametrize("size", [2, 4])   # 4 ranks outnumber the 2 KV heads: each KV head's B rows go to two
+def test_each_ranks_share_of_an_adapter_makes_its_share_of_the_delta(tiny_model_dir, adapters, size):
+    """Beside a column-split weight a rank's A and B make exactly the rank's columns of the delta;
+    beside a row-split one the ranks' partial deltas add up to the whole delta."""
+    from minivllm.model import ModelConfig
+    from minivllm.parallel import Shard
+
+    whole = ModelConfig.from_folder(tiny_model_dir)
+    weights = read_adapter(adapters["all7"][0], whole, 8)
+    torch.manual_seed(0)
+    partial = {"o_proj": 0, "down_proj": 0}
+    inputs = {m: torch.randn(3, weights[(0, m)][0].shape[1]) for m in ALL_SEVEN}
+    for rank in range(size):
+        lora, shard = LoRA(max_lora_rank=8), Shard(rank, size, None)
+        lora.split_as(shard)
+        lora.whole = whole
+        for module in ALL_SEVEN:
+            a, b = weights[(0, module)]
+            x, (la, lb), index = inputs[module], lora.local(module, a, b), shard.part(f"{module}.weight", whole)
+            if module in partial:
+                partial[module] = partial[module] + x[:, index[1]] @ la.T @ lb.T
+            else:
+                torch.testing.assert_close(x @ la.T @ lb.T, (x @ a.T @ b.T)[:, index[0]])
+    for module, summed in partial.items():
+        a, b = weights[(0, module)]
+        torch.testing.assert_close(summed, inputs[module] @ a.T @ b.T)

@@ -23,10 +23,11 @@ import torch
 
 from conftest import REPO_ROOT, load_script, run_child
 from kit.workloads import reference_prompts
-from minivllm import LLM
+from minivllm import LLM, LoRARequest
 from minivllm.contracts import SamplingParams
 from minivllm.quantization import WeightFormat
 from minivllm.speculative import SpeculativeDecoding
+from test_lora import make_adapter
 from test_server_continuous import body_for, text_of
 
 server = load_script("05_server")
@@ -37,9 +38,14 @@ KV = 8 << 20
 PROMPTS = reference_prompts() + ["One, two, three,"]          # 8 requests
 
 
+# Both serve adapters (Chapter 17), so that the group's cost is paid once; a request without one
+# runs the base alone, as in an engine without them. The group has one slot: adapters take turns.
+ADAPTERS = dict(enable_lora=True, max_lora_rank=8)
+
+
 @pytest.fixture(scope="module")
 def single(tiny_model_dir):
-    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8, max_loras=2, **ADAPTERS)
     yield engine
     engine.close()
 
@@ -47,7 +53,7 @@ def single(tiny_model_dir):
 @pytest.fixture(scope="module")
 def parallel(tiny_model_dir):
     engine = LLM(str(tiny_model_dir), device="cpu", kv_memory=KV, max_num_seqs=8,
-                 tensor_parallel_size=2)
+                 tensor_parallel_size=2, max_loras=1, **ADAPTERS)
     yield engine
     engine.close()     # the workers too
 
@@ -97,6 +103,23 @@ def test_speculative_verification_runs_on_every_rank(single, parallel):
         assert sum(r.metrics.accepted_tokens or 0 for r in two) > 0
     finally:
         parallel.runner = plain
+
+
+def test_adapters_split_over_the_ranks_answer_as_one_process(single, parallel, tiny_model_dir, tmp_path):
+    """Chapter 17 on Chapter 14. q, k, v, gate, up: A whole on every rank, B's rows split as the
+    weight's; o, down: A's columns split, B whole, the partial sums added before the base's one
+    all-reduce. Two adapters and the base in one batch, on one slot: rank 0 swaps the adapters
+    in turn and the other rank follows, reading its own share from each adapter's folder."""
+    loras = [LoRARequest(f"a{seed}", seed, str(tmp_path / f"a{seed}")) for seed in (1, 2)]
+    for lora in loras:
+        make_adapter(tiny_model_dir, lora.lora_path, lora.lora_int_id)
+    params, rows = SamplingParams(max_tokens=8, ignore_eos=True), [loras[0], None, loras[1]]
+    one = [r.output_ids for r in single.generate(PROMPTS[:3], params, lora_request=rows)]
+    swaps = parallel.lora.num_swaps
+    two = [r.output_ids for r in parallel.generate(PROMPTS[:3], params, lora_request=rows)]
+    assert two == one
+    assert one[0] != single.generate(PROMPTS[0], params).output_ids      # the adapter changed the answer
+    assert parallel.lora.num_swaps - swaps >= 2 and parallel.runner.features()["lora"]["max_loras"] == 1
 
 
 def test_server_with_8_concurrent_clients(single, parallel):
