@@ -104,7 +104,9 @@ class CUDAGraphRunner(ModelRunner):
                                   in_place=device.type == "cuda")
         self.batches = {size: self.static.rows(size) for size in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}     # empty on the CPU, or if capture failed
-        self.outputs: dict[int, torch.Tensor] = {}            # each graph's logits, [size, vocab]
+        # One logits buffer for every bucket (as nano-vllm's outputs): a graph writes its first rows.
+        # One per graph would keep each bucket's logits alive, 8 GiB at 512 rows and 128k words.
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
 
     # --8<-- [start:fill]
     def fill(self, requests: list[Request], starts: list[int], places: list[list[int]]) -> int:
@@ -144,11 +146,14 @@ class CUDAGraphRunner(ModelRunner):
         size = self.fill(requests, starts, places)
         if self.graphs:
             self.graphs[size].replay()                # every kernel of the step, one launch
-            logits = self.outputs[size]
         else:                                         # the CPU: the same buffers, run eagerly
-            logits = self.model.forward(self.batches[size], self.kv, all_logits=True)
-        # A copy: the next replay, of any bucket, may reuse the memory of this one's logits.
-        return logits[:n].clone()
+            self.run_bucket(size)
+        # A copy: the next step, of any bucket, writes the same buffer.
+        return self.logits[:n].clone()
+
+    def run_bucket(self, size: int) -> torch.Tensor:
+        """What a graph records: the bucket's forward, its logits written into the shared buffer."""
+        return self.logits[:size].copy_(self.model.forward(self.batches[size], self.kv, all_logits=True))
     # --8<-- [end:forward]
 
     # --8<-- [start:capture]
@@ -161,18 +166,17 @@ class CUDAGraphRunner(ModelRunner):
         try:
             with torch.cuda.device(self.model.device):   # graphs record on the current device
                 for size in reversed(self.buckets):
-                    batch = self.batches[size]       # padding rows only: scratch block, position 0
-                    self.model.forward(batch, self.kv, all_logits=True)      # warm-up, not recorded
+                    self.run_bucket(size)            # warm-up, not recorded (padding rows only)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[size] = self.model.forward(batch, self.kv, all_logits=True)
+                        self.run_bucket(size)        # its temporaries die with it: the next reuses them
                     pool = graph.pool()
                     self.graphs[size] = graph
                 torch.cuda.synchronize()
         except Exception as exc:   # a weight format whose kernel cannot be recorded: eager is always right
             print(f"[cuda graphs] capture failed, decoding eagerly ({type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:120]})", flush=True)
-            self.graphs, self.outputs = {}, {}
+            self.graphs = {}
         return time.perf_counter() - start
     # --8<-- [end:capture]
 

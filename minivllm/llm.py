@@ -210,11 +210,12 @@ class LLM(LLMEngine):
             parallel = TensorParallel(config.tensor_parallel_size, self.folder, device)
             return parallel.start(self.folder, dtype, device, num_blocks, config.block_size, weight_steps(config))
         weights = load_model(self.folder, dtype, device, weight_steps(config) + ([self.lora] if self.lora else []))
+        graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
         if sized_later:
             num_blocks = blocks_in(full, kv_memory_left(device, config.gpu_memory_utilization, step_headroom(
-                full, config.max_num_batched_tokens, config.max_num_seqs, dtype)), config.block_size, dtype)
+                full, config.max_num_batched_tokens, config.max_num_seqs, dtype, config.max_model_len,
+                graphs is not None)), config.block_size, dtype)
         pool = KVPool(weights.config, num_blocks, config.block_size, weights.dtype, weights.device)
-        graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
         if graphs:
             return graphs.runner(weights, pool)
         return self.lora.runner(weights, pool) if self.lora else ModelRunner(weights, pool)

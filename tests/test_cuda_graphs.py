@@ -116,6 +116,20 @@ def test_the_paged_kernel_computes_the_cpu_paths_step(model):
     torch.testing.assert_close(model.forward(in_place, graphs.kv, all_logits=True), on_cpu, atol=1e-5, rtol=1e-5)
 
 
+def test_every_bucket_writes_one_logits_buffer(model):
+    """One float32 buffer of [largest bucket, vocab], as nano-vllm's: each step's logits are its
+    first rows, and the runner hands back a copy (the next step writes the same memory)."""
+    _, graphs = runners(model)
+    assert graphs.logits.shape == (8, model.config.vocab_size) and not hasattr(graphs, "outputs")
+    seqs = [Tokens(p + [100 + i]) for i, p in enumerate(PROMPTS)]
+    graphs.forward(seqs, [0, 0, 0], [len(p) for p in PROMPTS], TABLES)          # the prefill, eager
+    address = graphs.logits.data_ptr()
+    for n in (1, 3):                                                              # buckets 1 and 4
+        out = graphs.forward(seqs[:n], [len(p) for p in PROMPTS[:n]], [1] * n, TABLES[:n])
+        assert torch.equal(out, graphs.logits[:n]) and out.data_ptr() != address
+    assert graphs.logits.data_ptr() == address
+
+
 def test_other_steps_run_eagerly(model):
     """Prefills, mixed steps, verifications and batches past the largest bucket leave the buffers alone."""
     _, graphs = runners(model)
