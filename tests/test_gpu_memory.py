@@ -65,3 +65,25 @@ def test_the_fraction_is_checked_before_anything_loads(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
         EngineConfig(gpu_memory_utilization=bad)
     assert EngineConfig().gpu_memory_utilization == 0.9 and EngineConfig().kv_memory is None
+
+
+def test_each_tensor_parallel_rank_sizes_its_pool_from_its_own_gpu(monkeypatch):
+    """With several ranks, each sizes its pool from what its own GPU has left once its shard is in
+    (the function is sent to every rank and called there), in blocks of its own KV heads: one rank
+    of 2 here, holding 2 of 4 KV heads, gets twice the blocks one process would from the same bytes."""
+    import dataclasses
+    import functools
+
+    from minivllm.collectives import Collectives
+    from minivllm.model import LlamaModel
+    from minivllm.parallel import rank_config, rank_pool
+
+    whole = dataclasses.replace(SMOLLM2, num_layers=2, num_heads=8, num_kv_heads=4, max_position_embeddings=64)
+    rank = LlamaModel(rank_config(whole, 2), {"embed": torch.empty(1, 1)})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (GiB // 2, GiB))   # half in use
+    left = functools.partial(gpu_memory.kv_memory_left, utilization=0.75, headroom=GiB // 8)
+    pool = rank_pool(rank, left, 16, Collectives(0, 1, "cpu"))
+    per_block = 16 * whole.kv_bytes_per_token(torch.float32) // 2               # 2 of the 4 KV heads
+    assert pool.num_blocks == (GiB // 8) // per_block and rank.config.num_kv_heads == 2
+    fixed = rank_pool(rank, 4 << 20, 16, Collectives(0, 1, "cpu"))             # on the CPU: kv_memory per rank
+    assert fixed.num_blocks == (4 << 20) // per_block and fixed.nbytes == 4 << 20
