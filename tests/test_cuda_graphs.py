@@ -187,3 +187,19 @@ def test_hf_with_a_static_cache_is_the_same_model_as_hf(tiny_model_dir):
         assert static.generate(p, 8, endless).output_ids == plain.generate(p, 8, endless).output_ids
     assert [r.output_ids for r in static.generate_batch(prompts, 8, endless)] == \
         [r.output_ids for r in plain.generate_batch(prompts, 8, endless)]
+
+
+def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tiny_model_dir, capsys, monkeypatch):
+    """`python 19_gpu.py --check` on the CPU: the kernel interpreted against gather + SDPA, graphs'
+    path against eager, int8/int4/w8a8, then the speed table beside HF with a static cache (a dry
+    run: its figures are not read here). Its six engines share one tokenizer load, for time."""
+    import functools
+
+    from conftest import load_script
+    from minivllm import llm
+    monkeypatch.setattr(llm, "load_tokenizer", functools.cache(llm.load_tokenizer))
+    gpu19 = load_script("19_gpu")
+    assert gpu19.run_checks(tiny_model_dir, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert out.count("  ok  ") == 5 and "FAIL" not in out
+    assert "[speed]" in out and all(w in out for w in ("batch 1 ", "batch 4 ", "mixed 4 "))
