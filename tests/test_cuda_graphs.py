@@ -130,6 +130,40 @@ def test_every_bucket_writes_one_logits_buffer(model):
     assert graphs.logits.data_ptr() == address
 
 
+def test_block_tables_are_written_by_delta(model):
+    """A step writes only the block-table entries that changed: a running row's new block, or every
+    entry of a row whose table is another's. The buffers then hold what a full rebuild would."""
+    _, graphs = runners(model)
+    tables = [[5, 2], [7], [0, 9, 3]]
+    seqs = [Tokens(list(range(12))) for _ in tables]
+    written = []
+    real = graphs.write_tables
+
+    def spy(places, size):
+        before = graphs.static.block_tables.clone()
+        real(places, size)
+        written.append(int((graphs.static.block_tables != before).sum()))
+    graphs.write_tables = spy
+    graphs.fill(seqs, [5, 2, 9], tables)
+    tables[1].append(4)                                              # row 1 crosses into a new block
+    graphs.fill(seqs, [6, 4, 10], tables)
+    assert written == [6, 1]                                         # all of them, then just the new one
+    swapped = [tables[2], tables[0]]                                 # rows now hold other tables
+    graphs.fill(seqs[:2], [10, 6], swapped)
+    assert graphs.static.block_tables[:2, :3].tolist() == [[0, 9, 3], [5, 2, 11]]
+    assert graphs.static.context_lens[:2].tolist() == [11, 7] and graphs.held[1][0] is tables[0]
+
+
+def test_a_requests_tokens_are_sliced_without_copying_the_sequence():
+    from minivllm.output import Request
+    r = Request(0, [1, 2, 3, 4], None, 8, None)
+    r.new_ids, r.draft_ids = [5, 6], [7]
+    whole = [1, 2, 3, 4, 5, 6, 7]
+    assert all(r.tokens(s, n) == whole[s:s + n] for s in range(8) for n in range(9))
+    prefix = r.first_tokens(6)
+    assert len(prefix) == 6 and prefix[0:4] == [1, 2, 3, 4] and prefix[4:8] == [5, 6] and tuple(prefix[2:5]) == (3, 4, 5)
+
+
 def test_other_steps_run_eagerly(model):
     """Prefills, mixed steps, verifications and batches past the largest bucket leave the buffers alone."""
     _, graphs = runners(model)
