@@ -122,10 +122,11 @@ def show_padded_step(model, prompts: list[list[int]]) -> None:
 
 
 # --8<-- [start:kernel-check]
-def check_kernel(config, device, dtype) -> float:
+def check_kernel(config, device, dtype, short: bool = False) -> float:
     """The Triton kernel against Chapter 7's gather + SDPA, on this model's heads, 8 ragged rows
     in shuffled 16-token blocks (on the CPU, Triton's interpreter runs it)."""
-    lens = [1, 15, 16, 17, 100, 257, 31, 64]
+    # a context of 1, each side of a block boundary, long ones (short: a dry run, interpreted)
+    lens = [1, 15, 16, 17, 40, 3, 31, 33] if short else [1, 15, 16, 17, 100, 257, 31, 64]
     layer = SimpleNamespace(num_layers=1, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
     pool = KVPool(layer, 8 * 17, 16, dtype, device)
     torch.manual_seed(0)
@@ -134,10 +135,12 @@ def check_kernel(config, device, dtype) -> float:
     tables = torch.randperm(pool.num_blocks).view(8, 17).to(device)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(8, config.num_heads, config.head_dim).to(device, dtype)
-    out = paged_decode(q, pool.k[0], pool.v[0], tables, context_lens, 16)
-    error = float((out.float() - reference_decode(q, pool, 0, tables, context_lens).float()).abs().max())
+    expected = reference_decode(q, pool, 0, tables, context_lens).float()
+    # both passes: the whole context in one program, and split over programs in 64-token partitions
+    error = max(float((paged_decode(q, pool.k[0], pool.v[0], tables, context_lens, 16, split=split,
+                                    partition=64).float() - expected).abs().max()) for split in (False, True))
     print(f"\n[paged kernel]  {config.num_heads} query heads over {config.num_kv_heads} KV heads, head_dim "
-          f"{config.head_dim}, {dtype}, contexts {lens}: max |kernel - gather + SDPA| = {error:.1e} "
+          f"{config.head_dim}, {dtype}, contexts {lens}, one pass and split: max |kernel - gather + SDPA| = {error:.1e} "
           f"({'within' if error <= TOLERANCE[dtype] else 'BEYOND'} {dtype}'s tolerance {TOLERANCE[dtype]:.0e})")
     return error
 # --8<-- [end:kernel-check]
@@ -176,19 +179,85 @@ def common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+# --8<-- [start:speed]
+def hf_static_seconds(tokenizer, model, prompts: list[list[int]], max_new: int) -> float:
+    """HF generate on one left-padded batch with a static cache (compiled and replayed on CUDA),
+    warmed once at the timed lengths: seconds for the batch, every row run to max_new tokens."""
+    from transformers import GenerationConfig
+
+    device, width = model.device, max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad,
+                              cache_implementation="static")
+    seconds = []
+    for _ in range(2):                           # the first run compiles (on CUDA) and warms: not counted
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds[-1]
+
+
+def ours_seconds(llm, prompts: list[list[int]], budgets: list[int]) -> float:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in budgets]
+    seconds = []
+    for _ in range(2):                           # warmed at the timed lengths, as HF is
+        start = time.perf_counter()
+        llm.generate_batch(prompts, params=params)
+        seconds.append(time.perf_counter() - start)
+    return seconds[-1]
+
+
+def check_speed(folder, device, dtype, pool: dict) -> None:
+    """Output tokens/s of three workloads, ours (graphs where there is CUDA) beside HF with a static
+    cache on the same device and dtype: batch 1, batch 32 (one prompt length), and mixed 32 (ragged
+    prompts and outputs, so that prefill chunks share steps with decode rows). On the CPU a dry run
+    on 4 rows and a few tokens: the same code, no figure worth reading."""
+    cuda = device.type == "cuda"
+    rows, new, prompt = (32, 128, 128) if cuda else (4, 4, 16)
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(100, 10000, (n,), generator=g).tolist()   # noqa: E731
+    lengths = torch.randint(prompt // 8, 4 * prompt, (rows,), generator=g).tolist()
+    outputs = torch.randint(new // 4, new + 1, (rows,), generator=g).tolist()
+    workloads = {"batch 1": ([ids(prompt)], [new]), f"batch {rows}": ([ids(prompt) for _ in range(rows)], [new] * rows),
+                 f"mixed {rows}": ([ids(n) for n in lengths], outputs)}
+    llm = LLM(str(folder), device=str(device), dtype=str(dtype).removeprefix("torch."), max_num_seqs=rows,
+              max_num_batched_tokens=max(512, prompt * 4), **pool)
+    try:
+        ours = {name: sum(b) / ours_seconds(llm, p, b) for name, (p, b) in workloads.items()}
+    finally:
+        llm.close()
+    from minivllm.model_files import load_hf_model
+    tokenizer, model = load_hf_model(str(folder), device, dtype)
+    hf = {name: sum(b) / hf_static_seconds(tokenizer, model, p, max(b)) for name, (p, b) in workloads.items()}
+    print(f"\n[speed]  output tokens/s, {device}, {dtype}{'' if cuda else ' (a dry run: 4 rows, a few tokens)'}")
+    print(f"  {'workload':<10} {'ours':>9} {'HF static':>10} {'ratio':>6}")
+    for name in workloads:
+        print(f"  {name:<10} {ours[name]:>9.1f} {hf[name]:>10.1f} {ours[name] / hf[name]:>5.2f}x")
+# --8<-- [end:speed]
+
+
 # --8<-- [start:check]
 def run_checks(folder, device) -> bool:
     """`--check`: what must hold before any GPU timing means anything. On the CPU it is a dry
     run of the same steps (graphs take their padded path uncaptured, Triton interprets)."""
     config = ModelConfig.from_folder(folder)
     dtypes = (torch.float32, torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32,)
-    results = [(f"kernel vs gather + SDPA, {dtype}", check_kernel(config, device, dtype) <= TOLERANCE[dtype])
+    results = [(f"kernel vs gather + SDPA, {dtype}",
+                check_kernel(config, device, dtype, short=device.type != "cuda") <= TOLERANCE[dtype])
                for dtype in dtypes]
     prompts = ["The capital of France is", "Once upon a time,", "1, 2, 3, 4, 5,"]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
+    # on a GPU the pool takes what gpu_memory_utilization leaves; on the CPU a small one will do
+    pool = {} if device.type == "cuda" else {"kv_memory": 16 << 20}
+
     def tokens(**options) -> tuple[list, list]:
-        llm = LLM(str(folder), device=str(device), dtype="float32", **options)
+        llm = LLM(str(folder), device=str(device), dtype="float32", **pool, **options)
         try:
             batch = [r.output_ids for r in llm.generate_batch(prompts, 12, greedy)]
             return batch, [llm.generate(p, 12, greedy).output_ids for p in prompts]
@@ -217,6 +286,8 @@ def run_checks(folder, device) -> bool:
     print(f"\n[check]  {device}, torch {torch.__version__}")
     for name, ok in results:
         print(f"  {'ok  ' if ok else 'FAIL'}  {name}")
+    if all(ok for _, ok in results):             # a timing means something only once all of it holds
+        check_speed(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32, pool)
     return all(ok for _, ok in results)
 # --8<-- [end:check]
 

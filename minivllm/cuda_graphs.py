@@ -96,39 +96,67 @@ class CUDAGraphRunner(ModelRunner):
         self.buckets = buckets(max_num_seqs)
         self.width = -(-max_model_len // kv.block_size)     # blocks of the longest sequence allowed
         rows, device = self.buckets[-1], model.device
-        long = dict(dtype=torch.long, device=device)
-        self.static = DecodeBatch(torch.zeros(rows, **long), torch.zeros(rows, **long),
-                                  torch.full((rows,), self.scratch_block * kv.block_size, **long),
+        long, cuda = dict(dtype=torch.long, device=device), device.type == "cuda"
+        # Token ids, positions and slots: rows of one tensor, so a step's values go over in one copy,
+        # from a pinned host buffer on CUDA (non-blocking: the host goes on to launch the step).
+        self.inputs = torch.zeros(3, rows, **long)
+        self.inputs[2] = self.scratch_block * kv.block_size
+        self.staging = torch.zeros(3, rows, dtype=torch.long, pin_memory=cuda)
+        self.cells = torch.zeros(0, 3, dtype=torch.long, pin_memory=cuda)   # block-table edits, grown as needed
+        self.copied = torch.cuda.Event() if cuda else None   # the staging may be refilled once it has gone
+        self.held: list[tuple[list | None, int]] = [(None, 0)] * rows   # each row's table, entries written
+        self.static = DecodeBatch(self.inputs[0], self.inputs[1], self.inputs[2],
                                   torch.full((rows, self.width), self.scratch_block, **long),
                                   torch.ones(rows, dtype=torch.int32, device=device), kv.block_size,
-                                  in_place=device.type == "cuda")
+                                  in_place=cuda)
         self.batches = {size: self.static.rows(size) for size in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}     # empty on the CPU, or if capture failed
-        self.outputs: dict[int, torch.Tensor] = {}            # each graph's logits, [size, vocab]
+        # One logits buffer for every bucket (as nano-vllm's outputs): a graph writes its first rows.
+        # One per graph would keep each bucket's logits alive, 8 GiB at 512 rows and 128k words.
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=device)
 
     # --8<-- [start:fill]
     def fill(self, requests: list[Request], starts: list[int], places: list[list[int]]) -> int:
         """Write one decode step into the static buffers, padded to its bucket; returns the bucket.
         Row i's new token is at position starts[i]; padding rows sit at position 0 of the scratch
-        block, with a context of 1 token (their own): they read and write nothing of anyone's."""
+        block, with a context of 1 token (their own): they write nothing of anyone's. Host work
+        is a few numbers a row: one copy of ids, positions and slots, the lengths computed on the
+        device, and of the block tables only the entries that changed since the last step."""
         n, bs, scratch = len(requests), self.kv.block_size, self.scratch_block
         size = bucket_for(n, self.buckets)
-        pad = size - n
-        values = {
-            "token_ids": [r.tokens(s, 1)[0] for r, s in zip(requests, starts)] + [0] * pad,
-            "positions": list(starts) + [0] * pad,
-            "slots": [t[s // bs] * bs + s % bs for t, s in zip(places, starts)] + [scratch * bs] * pad,
-            "context_lens": [s + 1 for s in starts] + [1] * pad,
-        }
-        for name, rows in values.items():
-            buffer = getattr(self.static, name)
-            buffer[:size].copy_(torch.tensor(rows, dtype=buffer.dtype))   # same memory, new values
-        # Block tables: only the columns the longest table fills. Older entries to their right are
-        # blocks too, and lie past every row's context: attention never reads them.
-        used = max(len(t) for t in places)
-        tables = [t + [scratch] * (used - len(t)) for t in places] + [[scratch] * used] * pad
-        self.static.block_tables[:size, :used].copy_(torch.tensor(tables, dtype=torch.long))
+        if self.copied is not None:
+            self.copied.synchronize()        # the last step's copy has left the staging buffers
+        host = self.staging.numpy()
+        host[0, :n] = [r.tokens(s, 1)[0] for r, s in zip(requests, starts)]
+        host[1, :n] = starts
+        host[2, :n] = [t[s // bs] * bs + s % bs for t, s in zip(places, starts)]
+        host[:, n:size] = [[0], [0], [scratch * bs]]
+        self.inputs[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        self.static.context_lens[:size].copy_(self.inputs[1, :size] + 1)
+        self.write_tables(places, size)
+        if self.copied is not None:
+            self.copied.record()
         return size
+
+    def write_tables(self, places: list[list[int]], size: int) -> None:
+        """Block tables by delta: a row that holds the same table as last step (the block manager
+        only appends to a running sequence's) gets its new entries; another table, all of them.
+        Entries past a row's context are never read, so a padding row keeps whatever it had: it
+        reads one key of some block, and its output is thrown away."""
+        cells = []
+        for row, table in enumerate(places):
+            held, written = self.held[row]
+            first = written if held is table and written <= len(table) else 0
+            cells += [(row, col, table[col]) for col in range(first, len(table))]
+            self.held[row] = (table, len(table))   # the list itself, held: its id cannot be reused
+        self.held[len(places):size] = [(None, 0)] * (size - len(places))
+        if not cells:
+            return
+        if len(cells) > self.cells.shape[0]:
+            self.cells = torch.zeros(2 * len(cells), 3, dtype=torch.long, pin_memory=self.copied is not None)
+        self.cells.numpy()[:len(cells)] = cells
+        edits = self.cells[:len(cells)].to(self.static.block_tables.device, non_blocking=True)
+        self.static.block_tables[edits[:, 0], edits[:, 1]] = edits[:, 2]
     # --8<-- [end:fill]
 
     # --8<-- [start:forward]
@@ -144,11 +172,14 @@ class CUDAGraphRunner(ModelRunner):
         size = self.fill(requests, starts, places)
         if self.graphs:
             self.graphs[size].replay()                # every kernel of the step, one launch
-            logits = self.outputs[size]
         else:                                         # the CPU: the same buffers, run eagerly
-            logits = self.model.forward(self.batches[size], self.kv, all_logits=True)
-        # A copy: the next replay, of any bucket, may reuse the memory of this one's logits.
-        return logits[:n].clone()
+            self.run_bucket(size)
+        # A copy: the next step, of any bucket, writes the same buffer.
+        return self.logits[:n].clone()
+
+    def run_bucket(self, size: int) -> torch.Tensor:
+        """What a graph records: the bucket's forward, its logits written into the shared buffer."""
+        return self.logits[:size].copy_(self.model.forward(self.batches[size], self.kv, all_logits=True))
     # --8<-- [end:forward]
 
     # --8<-- [start:capture]
@@ -161,18 +192,17 @@ class CUDAGraphRunner(ModelRunner):
         try:
             with torch.cuda.device(self.model.device):   # graphs record on the current device
                 for size in reversed(self.buckets):
-                    batch = self.batches[size]       # padding rows only: scratch block, position 0
-                    self.model.forward(batch, self.kv, all_logits=True)      # warm-up, not recorded
+                    self.run_bucket(size)            # warm-up, not recorded (padding rows only)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[size] = self.model.forward(batch, self.kv, all_logits=True)
+                        self.run_bucket(size)        # its temporaries die with it: the next reuses them
                     pool = graph.pool()
                     self.graphs[size] = graph
                 torch.cuda.synchronize()
         except Exception as exc:   # a weight format whose kernel cannot be recorded: eager is always right
             print(f"[cuda graphs] capture failed, decoding eagerly ({type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:120]})", flush=True)
-            self.graphs, self.outputs = {}, {}
+            self.graphs = {}
         return time.perf_counter() - start
     # --8<-- [end:capture]
 

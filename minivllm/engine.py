@@ -129,7 +129,7 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
                 r.num_computed = r.num_tokens - 1     # every token but the newest has its K/V now
                 generated += len(pieces)
                 events.append((r, join_pieces(pieces)))
-            self.blocks.cache_computed(r.id, r.tokens(0, r.num_computed))   # a prefix cache publishes full blocks
+            self.blocks.cache_computed(r.id, r.first_tokens(r.num_computed))   # a prefix cache publishes full blocks
             if r.finish_reason:
                 self._leave(r)                    # leaves now: its blocks serve the next step
             elif self.blocks.lengths[r.id] > r.num_tokens:

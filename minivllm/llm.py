@@ -22,6 +22,7 @@ where the chapters meet. Each option becomes an object handed to the part that u
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator
 
@@ -42,6 +43,7 @@ from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, 
                                   pick_dtype)
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.output import OutputProcessor, Request
+from minivllm.parallel import rank_config
 from minivllm.parallel_workers import TensorParallel, TensorParallelRunner
 from minivllm.prefix_cache import PrefixCachingBlockManager
 from minivllm.quantization import WeightFormat
@@ -201,21 +203,22 @@ class LLM(LLMEngine):
         if config.max_model_len is not None and config.max_model_len > full.max_position_embeddings:
             raise ValueError(f"max_model_len must be at most the model's context window, "
                              f"{full.max_position_embeddings} tokens, got {config.max_model_len}")
-        # Chapter 15: on one GPU the pool takes what the weights leave, sized once they are in (with
-        # several ranks, or a draft model's weights and pool still to come, the fixed default).
-        sized_later = config.kv_memory is None and device.type == "cuda" and not config.tensor_parallel_size \
-            and not config.speculative
-        num_blocks = blocks_in(full, config.pool_bytes, config.block_size, dtype)   # no block: refused unloaded
-        if config.tensor_parallel_size is not None:   # every rank loads its shard, then the same steps
+        # Chapter 15: on a GPU the pool takes what the weights leave, sized once they are in (with a
+        # draft model's weights and pool still to come, the fixed default).
+        sized_later = config.kv_memory is None and device.type == "cuda" and not config.speculative
+        graphs = decode_graphs(config, device, full.max_position_embeddings)
+        left = functools.partial(kv_memory_left, utilization=config.gpu_memory_utilization, headroom=step_headroom(
+            full, config.max_num_batched_tokens, config.max_num_seqs, dtype, config.max_model_len, graphs is not None))
+        if config.tensor_parallel_size is not None:   # every rank loads its shard, then sizes its own pool
             parallel = TensorParallel(config.tensor_parallel_size, self.folder, device)
-            return parallel.start(self.folder, dtype, device, num_blocks, config.block_size,
-                                  weight_steps(config) + ([self.lora] if self.lora else []))
+            blocks_in(rank_config(full, parallel.size), config.pool_bytes, config.block_size, dtype)  # refused unloaded
+            return parallel.start(self.folder, dtype, device, left if sized_later else config.pool_bytes,
+                                  config.block_size, weight_steps(config) + ([self.lora] if self.lora else []))
+        num_blocks = blocks_in(full, config.pool_bytes, config.block_size, dtype)   # no block: refused unloaded
         weights = load_model(self.folder, dtype, device, weight_steps(config) + ([self.lora] if self.lora else []))
         if sized_later:
-            num_blocks = blocks_in(full, kv_memory_left(device, config.gpu_memory_utilization, step_headroom(
-                full, config.max_num_batched_tokens, config.max_num_seqs, dtype)), config.block_size, dtype)
+            num_blocks = blocks_in(full, left(device), config.block_size, dtype)
         pool = KVPool(weights.config, num_blocks, config.block_size, weights.dtype, weights.device)
-        graphs = decode_graphs(config, device, weights.config.max_position_embeddings)   # Chapter 15
         if graphs:
             return self.lora.graph_runner(graphs, weights, pool) if self.lora else graphs.runner(weights, pool)
         return self.lora.runner(weights, pool) if self.lora else ModelRunner(weights, pool)

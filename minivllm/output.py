@@ -78,11 +78,33 @@ class Request:
         return len(self.prompt_ids) + len(self.new_ids)
 
     def tokens(self, start: int, n: int) -> list[int]:
-        """Tokens start .. start+n-1 of prompt + output (+ guesses awaiting verification)."""
-        p, after = len(self.prompt_ids), self.new_ids + self.draft_ids
-        if start >= p:
-            return after[start - p: start - p + n]
-        return (self.prompt_ids + after)[start: start + n]
+        """Tokens start .. start+n-1 of prompt + output (+ guesses awaiting verification), copying
+        only those: a decode step asks for one token of a sequence thousands long."""
+        out, end = [], start + n
+        for part in (self.prompt_ids, self.new_ids, self.draft_ids):
+            if start < len(part) and end > 0:
+                out += part[max(start, 0):end]
+            start, end = start - len(part), end - len(part)
+        return out
+
+    def first_tokens(self, n: int) -> TokenPrefix:
+        """Its first n tokens as a sequence that copies only the slices asked of it."""
+        return TokenPrefix(self, n)
+
+
+class TokenPrefix:
+    """A request's first n tokens, read on demand: what a prefix cache reads each step (the
+    tokens of a block just filled), with no copy of the whole sequence."""
+
+    def __init__(self, request: Request, n: int):
+        self.request, self.n = request, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, part: slice) -> list[int]:
+        start, stop, _ = part.indices(self.n)
+        return self.request.tokens(start, max(stop - start, 0))
 # --8<-- [end:request]
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from minivllm.collectives import Collectives
 from minivllm.config import check_option
-from minivllm.kv_cache import KVPool
+from minivllm.kv_cache import KVPool, blocks_in
 from minivllm.model import LlamaModel, ModelConfig
 from minivllm.weights import input_major, matmul, nbytes
 from minivllm.model_files import pick_device
@@ -174,7 +174,6 @@ class Shard:
             model = cut(model, self.part)
         c, w, comm = model.config, model.w, self.comm
         self.whole = c            # the whole model's config, which `part` reads (Chapter 17's adapters too)
-        heads, kv_heads, mlp = rank_counts(c, self.size)
         per_rank = vocab_rows(c.vocab_size, self.size)
         table = lambda rows: VocabShard.of(rows, self.rank * per_rank, per_rank, c.vocab_size, comm)  # noqa: E731
         embed = table(w["embed"])
@@ -182,8 +181,7 @@ class Shard:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             out[p + "o"], out[p + "down"] = RowParallel(w[p + "o"], comm), RowParallel(w[p + "down"], comm)
-        config = dataclasses.replace(c, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=mlp)
-        return LlamaModel(config, out)
+        return LlamaModel(rank_config(c, self.size), out)
 # --8<-- [end:model]
 
 
@@ -191,6 +189,12 @@ def rank_counts(config: ModelConfig, size: int) -> tuple[int, int, int]:
     """A rank's query heads, KV heads and MLP columns (one KV head when the ranks outnumber them)."""
     check_size(config, size)
     return config.num_heads // size, max(1, config.num_kv_heads // size), config.intermediate_size // size
+
+
+def rank_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The whole model's config with one rank's head counts and MLP width, as its shard has them."""
+    heads, kv_heads, mlp = rank_counts(config, size)
+    return dataclasses.replace(config, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=mlp)
 
 
 def vocab_rows(vocab_size: int, size: int) -> int:
@@ -256,14 +260,32 @@ def riders(features: list) -> list:
     return [feature for feature in features if hasattr(feature, "follow")]
 
 
+# --8<-- [start:pool]
+def rank_pool(model: LlamaModel, kv_memory, block_size: int, comm: Collectives) -> KVPool:
+    """A rank's KV pool, sized per rank as vLLM sizes each worker's: kv_memory bytes on every rank
+    (an int), or what each GPU has left once its shard is in (a function of the device, read on
+    each rank: Chapter 15's gpu_memory_utilization). Its blocks hold only the rank's KV heads,
+    so N ranks hold N times the tokens of one. Every rank must hold the same blocks (rank 0's
+    block tables address them all): the smallest count of any rank."""
+    budget = kv_memory(model.device) if callable(kv_memory) else kv_memory
+    blocks = torch.tensor([blocks_in(model.config, budget, block_size, model.dtype)])
+    if callable(kv_memory) and comm.size > 1:
+        on_device = blocks.to(model.device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MIN)
+        blocks = on_device.cpu()
+    return KVPool(model.config, int(blocks), block_size, model.dtype, model.device)
+# --8<-- [end:pool]
+
+
 # --8<-- [start:worker]
 def run_worker(rank: int, size: int, device: torch.device) -> None:
     """A worker's life: receive the setup (the model's folder and the features that follow the
-    shard, a weight format or compiled steps), load its shard, then run each step rank 0 sends."""
+    shard, a weight format or compiled steps), load its shard and size its pool, then run each
+    step rank 0 sends."""
     comm = Collectives(rank, size, device)
-    _, folder, dtype, num_blocks, block_size, features = comm.broadcast()
+    _, folder, dtype, kv_memory, block_size, features = comm.broadcast()
     model = load_model(folder, getattr(torch, dtype), device, rank_steps(Shard(rank, size, comm), features))
-    kv = KVPool(model.config, num_blocks, block_size, model.dtype, device)
+    kv = rank_pool(model, kv_memory, block_size, comm)
     while True:
         message = comm.broadcast()
         if message[0] == "step":

@@ -34,7 +34,8 @@ from minivllm.model import LlamaModel, ModelConfig
 from minivllm.model_runner import ModelRunner, load_model
 from minivllm.collectives import Collectives
 from minivllm.engine_loop import EngineUnavailable
-from minivllm.parallel import Shard, check_size, gather_stats, join, rank_device, rank_steps, riders, run_worker
+from minivllm.parallel import (Shard, check_size, gather_stats, join, rank_device, rank_pool, rank_steps, riders,
+                              run_worker)
 
 # --8<-- [start:feature]
 class TensorParallel:
@@ -55,19 +56,19 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         self.size = size
 
-    def start(self, folder: Path, dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
+    def start(self, folder: Path, dtype: torch.dtype, device: torch.device, kv_memory, block_size: int,
               features: Sequence = ()) -> TensorParallelRunner:
         """Start the workers, load rank 0's shard (only its slices are read from the files) and its
-        KV pool: num_blocks blocks, counted from the whole model's config before any load, so the
-        same on every rank, each block holding only this rank's KV heads; the block manager and
+        KV pool of kv_memory bytes per rank (or a function of the device that says how many: see
+        `rank_pool`), each block holding only this rank's KV heads; the block manager and
         scheduler are those of one process. Nothing whole is built here, weights or pool."""
         group = ProcessGroup(self.size, device) if self.size > 1 else None
         try:
             comm = Collectives(0, self.size, device)
-            comm.broadcast(("setup", str(folder), str(dtype).removeprefix("torch."), num_blocks, block_size,
+            comm.broadcast(("setup", str(folder), str(dtype).removeprefix("torch."), kv_memory, block_size,
                             list(features)))
             model = load_model(folder, dtype, device, rank_steps(Shard(0, self.size, comm), list(features)))
-            pool = KVPool(model.config, num_blocks, block_size, model.dtype, model.device)
+            pool = rank_pool(model, kv_memory, block_size, comm)
         except BaseException:
             if group:
                 group.close()

@@ -116,6 +116,54 @@ def test_the_paged_kernel_computes_the_cpu_paths_step(model):
     torch.testing.assert_close(model.forward(in_place, graphs.kv, all_logits=True), on_cpu, atol=1e-5, rtol=1e-5)
 
 
+def test_every_bucket_writes_one_logits_buffer(model):
+    """One float32 buffer of [largest bucket, vocab], as nano-vllm's: each step's logits are its
+    first rows, and the runner hands back a copy (the next step writes the same memory)."""
+    _, graphs = runners(model)
+    assert graphs.logits.shape == (8, model.config.vocab_size) and not hasattr(graphs, "outputs")
+    seqs = [Tokens(p + [100 + i]) for i, p in enumerate(PROMPTS)]
+    graphs.forward(seqs, [0, 0, 0], [len(p) for p in PROMPTS], TABLES)          # the prefill, eager
+    address = graphs.logits.data_ptr()
+    for n in (1, 3):                                                              # buckets 1 and 4
+        out = graphs.forward(seqs[:n], [len(p) for p in PROMPTS[:n]], [1] * n, TABLES[:n])
+        assert torch.equal(out, graphs.logits[:n]) and out.data_ptr() != address
+    assert graphs.logits.data_ptr() == address
+
+
+def test_block_tables_are_written_by_delta(model):
+    """A step writes only the block-table entries that changed: a running row's new block, or every
+    entry of a row whose table is another's. The buffers then hold what a full rebuild would."""
+    _, graphs = runners(model)
+    tables = [[5, 2], [7], [0, 9, 3]]
+    seqs = [Tokens(list(range(12))) for _ in tables]
+    written = []
+    real = graphs.write_tables
+
+    def spy(places, size):
+        before = graphs.static.block_tables.clone()
+        real(places, size)
+        written.append(int((graphs.static.block_tables != before).sum()))
+    graphs.write_tables = spy
+    graphs.fill(seqs, [5, 2, 9], tables)
+    tables[1].append(4)                                              # row 1 crosses into a new block
+    graphs.fill(seqs, [6, 4, 10], tables)
+    assert written == [6, 1]                                         # all of them, then just the new one
+    swapped = [tables[2], tables[0]]                                 # rows now hold other tables
+    graphs.fill(seqs[:2], [10, 6], swapped)
+    assert graphs.static.block_tables[:2, :3].tolist() == [[0, 9, 3], [5, 2, 11]]
+    assert graphs.static.context_lens[:2].tolist() == [11, 7] and graphs.held[1][0] is tables[0]
+
+
+def test_a_requests_tokens_are_sliced_without_copying_the_sequence():
+    from minivllm.output import Request
+    r = Request(0, [1, 2, 3, 4], None, 8, None)
+    r.new_ids, r.draft_ids = [5, 6], [7]
+    whole = [1, 2, 3, 4, 5, 6, 7]
+    assert all(r.tokens(s, n) == whole[s:s + n] for s in range(8) for n in range(9))
+    prefix = r.first_tokens(6)
+    assert len(prefix) == 6 and prefix[0:4] == [1, 2, 3, 4] and prefix[4:8] == [5, 6] and tuple(prefix[2:5]) == (3, 4, 5)
+
+
 def test_other_steps_run_eagerly(model):
     """Prefills, mixed steps, verifications and batches past the largest bucket leave the buffers alone."""
     _, graphs = runners(model)
@@ -173,3 +221,19 @@ def test_hf_with_a_static_cache_is_the_same_model_as_hf(tiny_model_dir):
         assert static.generate(p, 8, endless).output_ids == plain.generate(p, 8, endless).output_ids
     assert [r.output_ids for r in static.generate_batch(prompts, 8, endless)] == \
         [r.output_ids for r in plain.generate_batch(prompts, 8, endless)]
+
+
+def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tiny_model_dir, capsys, monkeypatch):
+    """`python 19_gpu.py --check` on the CPU: the kernel interpreted against gather + SDPA, graphs'
+    path against eager, int8/int4/w8a8, then the speed table beside HF with a static cache (a dry
+    run: its figures are not read here). Its six engines share one tokenizer load, for time."""
+    import functools
+
+    from conftest import load_script
+    from minivllm import llm
+    monkeypatch.setattr(llm, "load_tokenizer", functools.cache(llm.load_tokenizer))
+    gpu19 = load_script("19_gpu")
+    assert gpu19.run_checks(tiny_model_dir, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert out.count("  ok  ") == 5 and "FAIL" not in out
+    assert "[speed]" in out and all(w in out for w in ("batch 1 ", "batch 4 ", "mixed 4 "))

@@ -100,3 +100,50 @@ def test_kernel_refuses_heads_that_do_not_share_evenly():
     pool, tables, context_lens, _ = ragged_pool(4, 2, 8, 4, [3, 5])
     with pytest.raises(ValueError, match="3 query heads over 2 KV heads"):
         paged_decode(torch.randn(2, 3, 8), pool.k[0], pool.v[0], tables, context_lens, 4)
+
+
+def as_float64(pool: KVPool) -> KVPool:
+    config = SimpleNamespace(num_layers=1, num_kv_heads=pool.k[0].shape[1], head_dim=pool.k[0].shape[2])
+    copy = KVPool(config, pool.num_blocks, pool.block_size, torch.float64)
+    copy.k[0].copy_(pool.k[0])
+    copy.v[0].copy_(pool.v[0])
+    return copy
+
+
+def test_split_context_kernel_against_float64():
+    """Flash-decoding: the context split into partitions of 32 tokens over programs, then combined.
+    Against an fp64 gather + SDPA, 3 query heads to a KV head (as SmolLM2, a group padded to 4):
+    a context of 1 (every split but the first empty), each side of a block boundary, exactly one
+    partition, one token past it, and a long row over 4 partitions."""
+    block_size, width = 16, 7                                        # 112 tokens a row: 4 partitions
+    lens = [1, 15, 16, 17, 32, 33, 100]
+    pool, tables, context_lens, q = ragged_pool(6, 2, 32, block_size, lens, width=width)
+    split = paged_decode(q, pool.k[0], pool.v[0], tables, context_lens, block_size, split=True, partition=32)
+    exact = reference_decode(q.double(), as_float64(pool), 0, tables, context_lens)
+    assert split.dtype == torch.float32 and (split.double() - exact).abs().max() < 1e-5
+
+
+def test_split_kernel_reads_nothing_past_a_rows_context_and_splits_by_default_when_few_programs():
+    """NaN in every slot no row may read, as above, through the split kernel; and a batch of a few
+    rows, whose one pass would leave a GPU mostly idle, is split without being asked."""
+    import minivllm.paged_attention as pa
+    block_size, lens = 4, [1, 6, 17, 20]
+    pool, tables, context_lens, q = ragged_pool(4, 2, 8, block_size, lens, width=5)
+    expected = reference_decode(q, pool, 0, tables, context_lens)
+    readable = torch.zeros(pool.num_blocks * block_size, dtype=torch.bool)
+    for row, n in enumerate(lens):
+        for t in range(n):
+            readable[tables[row, t // block_size] * block_size + t % block_size] = True
+    pool.k[0][~readable] = float("nan")
+    pool.v[0][~readable] = float("nan")
+    calls = []
+    real = pa.combine_splits
+    pa.combine_splits = lambda *a: calls.append(1) or real(*a)
+    try:
+        out = paged_decode(q, pool.k[0], pool.v[0], tables, context_lens, block_size, partition=16)
+    finally:
+        pa.combine_splits = real
+    assert calls == [1]                                              # 4 rows x 2 KV heads: split
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        paged_decode(q, pool.k[0], pool.v[0], tables, context_lens, block_size, partition=24)

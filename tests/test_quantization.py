@@ -135,6 +135,30 @@ def test_cuda_int4_packing_reads_the_models_own_layout():
         assert torch.equal(torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(96, 64), q)
 
 
+def test_cuda_int4_packer_gets_what_it_requires_from_the_models_own_weights(tiny_model_dir, monkeypatch):
+    """The whole model as loaded (layers input-major), moved to the meta device so that the CUDA
+    branch runs without a GPU: every tensor handed to CUDA's packer is what its kernel checks
+    (contiguous, uint8, [n, k / 2]). The draft model of `speculative="draft"` is this int4 format."""
+    real, seen = torch.ops.aten._convert_weight_to_int4pack, []
+
+    def packer(pairs, tiles):
+        assert pairs.is_contiguous() and pairs.dtype == torch.uint8 and pairs.dim() == 2
+        seen.append((tuple(pairs.shape), tiles))
+        return real(pairs, tiles)
+
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", packer)
+    base = load_model(tiny_model_dir, torch.float32, "cpu")
+    qkv = base.w["model.layers.0.qkv"]
+    assert not qkv.is_contiguous() and qkv.T.is_contiguous()          # the model's own layout
+    meta = base.with_weights({name: w.to("meta") for name, w in base.w.items()})
+    assert not meta.w["model.layers.0.qkv"].is_contiguous()            # .to keeps the strides
+    packed = WeightFormat("int4", 32)(meta)
+    assert len(seen) == 4 * base.config.num_layers
+    n, k = qkv.shape
+    assert ((n, k // 2), inner_k_tiles(k)) in seen
+    assert packed.w["model.layers.0.qkv"].packed.device.type == "meta"
+
+
 def test_int4_head_packs_the_head_and_keeps_an_int8_table_for_lookups(tiny_model_dir):
     """Packed int4 rows cannot be read back, so the tied matrix splits: int4 for the logits, int8 for lookups."""
     base = LlamaModel.from_folder(tiny_model_dir)

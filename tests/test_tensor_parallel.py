@@ -134,14 +134,17 @@ def test_server_with_8_concurrent_clients(single, parallel):
     assert asyncio.run(answers(parallel)) == asyncio.run(answers(single))
 
 
-def test_each_rank_holds_1_over_n_of_layers_and_kv(single, parallel):
+def test_each_rank_holds_1_over_n_of_layers_and_the_kv_budget_of_one(single, parallel):
+    """kv_memory is each rank's, as vLLM sizes each worker's pool: a block holds half the KV heads,
+    so the same bytes hold twice the blocks, and two ranks hold twice the tokens of one process."""
+    assert parallel.pool.num_blocks == 2 * single.pool.num_blocks == parallel.blocks.num_blocks
     stats = parallel.runner.rank_stats()
     full, c = single.model, single.model.config
     norms = sum(t.numel() * t.element_size() for name, t in full.w.items() if "norm" in name)
     assert [s["rank"] for s in stats] == [0, 1] and len({s["pid"] for s in stats}) == 2
     for s in stats:
         assert s["weight_bytes"] - norms == (full.weight_bytes - norms) // 2   # every matrix split, norms kept
-        assert s["kv_bytes"] == single.pool.nbytes // 2
+        assert s["kv_bytes"] == single.pool.nbytes                       # the budget of one, per rank
         assert (s["heads"], s["kv_heads"]) == (c.num_heads // 2, c.num_kv_heads // 2)
 
 

@@ -201,5 +201,5 @@ def test_one_kv_head_copied_to_two_ranks_gives_the_same_tokens(tmp_path, tiny_mo
     out = run_child(code, timeout=300)
     assert out["same"], out
     assert out["whole"] == [], out                              # rank 0 read only its slices
-    assert out["blocks"][0] == out["blocks"][1], out            # the pool's block count, as on one process
+    assert out["blocks"][0] == out["blocks"][1], out            # each rank holds the whole KV head: blocks as on one
     assert out["heads"] == [1, 1] and out["kv_heads"] == [1, 1], out
