@@ -163,13 +163,15 @@ function drawBlocks(b) {
   const owners = b.owner;
   for (let i = 0; i < b.shown; i++) {
     const cell = grid.children[i], o = owners[i], refs = b.refs[i], cached = b.cached.length ? b.cached[i] : 0;
-    const cls = "kv" + (o >= 0 ? " owned" : "") + (refs > 1 ? " shared" : "") + (o < 0 && cached ? " cached" : "");
+    // -2: another tenant's block (a tenant's key sees its own requests only, and how full the pool is)
+    const cls = "kv" + (o >= 0 ? " owned" : o === -2 ? " others" : "") + (refs > 1 ? " shared" : "") + (o < 0 && cached ? " cached" : "");
     if (cell.className !== cls) cell.className = cls;
     if (o >= 0) { paint(cell, o); cell.dataset.owner = o; }
     else { delete cell.dataset.owner; }
-    cell.title = "block " + i + (o >= 0 ? ": r" + o + (refs > 1 ? ", " + refs + " requests" : "") : cached ? ": cached" : ": free");
+    cell.title = "block " + i + (o >= 0 ? ": r" + o + (refs > 1 ? ", " + refs + " requests" : "") : o === -2 ? ": another key's" : cached ? ": cached" : ": free");
   }
   const used = owners.filter((o) => o >= 0).length;
+  $("legend-others").hidden = !owners.includes(-2);
   $("kv-summary").textContent = (b.total - b.free) + " of " + b.total + " blocks in use · " + b.block_size +
     " tokens each" + (b.prefix_caching ? " · prefix caching on" : "");
   $("kv-note").hidden = b.shown === b.total;
