@@ -51,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from kit import adapter_routes      # Chapter 17: adapters by name, loaded while serving
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
+from kit import openapi_doc         # the OpenAPI document: every status a route answers
 from kit import replica_server      # Chapter 18: --replicas N on Ray Serve (Ray is imported only then)
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
 from kit import structured_api      # Chapter 11: response_format, guided_*, tools
@@ -83,6 +84,7 @@ def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: serv
         if not ops.admin_key:   # every API key is a tenant
             raise ValueError("--lora-dir needs --admin-key: a tenant's key must not make the server read a path")
         adapter_routes.install_runtime_updates(app, engine, lora_dir, server.model_name)
+    openapi_doc.document(app)
     return app
 # --8<-- [end:make-app]
 

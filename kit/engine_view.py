@@ -61,11 +61,30 @@ class EngineView:
 # --8<-- [end:view]
 
 
-def install(app: FastAPI, engine) -> EngineView:
-    """Add GET /engine/scheduler?since=STEP to the app."""
+# --8<-- [start:tenant]
+OTHERS = -2   # a block owner the page draws as "in use, another tenant's": no request id, no prompt
+
+
+def tenant_view(snap: dict, tenant: str | None) -> dict:
+    """What one tenant's key may see: its own requests' rows, and the pool with every other
+    tenant's blocks as OTHERS (how full it is, never whose or how long their prompts are).
+    tenant None (the admin or metrics key, or a server without keys): everything."""
+    if tenant is None or "rows" not in snap:
+        return snap
+    rows = [row for row in snap["rows"] if row.get("tenant") == tenant]
+    mine = {row["id"] for row in rows}
+    blocks = dict(snap["blocks"])
+    blocks["owner"] = [o if o < 0 or o in mine else OTHERS for o in blocks["owner"]]
+    blocks["cached"] = [c if o in mine else 0 for c, o in zip(blocks["cached"], blocks["owner"])]
+    return {**snap, "rows": rows, "rows_total": len(rows), "blocks": blocks}
+# --8<-- [end:tenant]
+
+
+def install(app: FastAPI, engine, viewer=lambda: None) -> EngineView:
+    """Add GET /engine/scheduler?since=STEP to the app; viewer() names the caller's tenant (None: all)."""
     view = EngineView(engine)
 
     @app.get("/engine/scheduler")
     async def engine_scheduler(since: int = Query(-1, ge=-1, le=MAX_STEP)):
-        return await view.get(since)
+        return tenant_view(await view.get(since), viewer())
     return view

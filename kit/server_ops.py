@@ -6,8 +6,9 @@ in one place that `make_app` installs with one call:
 - Admission: `AdmissionQueue`, the one place where requests wait for the engine (a FIFO lock
   for one-at-a-time engines) and where `--max-waiting` refuses them with 503 and Retry-After.
 - API keys: `--api-key` / ENGINE_API_KEY guards every /v1/* route (401 in OpenAI's shape), and
-  the page's /engine/stats and /engine/scheduler too; /metrics, the whole service's counts, takes
-  only `--metrics-key` (Prometheus') or `--admin-key` (the instructor's), which read every view.
+  the page's /engine/stats and /engine/scheduler too, where a tenant's key sees its own requests
+  only; /metrics, the whole service's counts, takes only `--metrics-key` (Prometheus') or
+  `--admin-key` (the instructor's), which read every view. `--max-waiting-per-key` is one key's share.
 - Host names: only those the server was bound for (`--allowed-hosts`), against DNS rebinding.
 - Prometheus metrics at GET /metrics: requests (by route, never by raw path), tokens, TTFT,
   inter-token latency, queue time, and the engine's features.
@@ -136,6 +137,12 @@ def answered(results: list) -> None:
     ttfts = [r.metrics.ttft_ms for r in results]
     if rec.ttft_s is None and ttfts and None not in ttfts:   # the engine's, after the wait for its turn
         rec.ttft_s = (rec.queue_s or 0.0) + min(ttfts) / 1000
+
+
+def viewer() -> str | None:
+    """The tenant whose key asked for this view (None: the admin or metrics key, or no keys)."""
+    rec = _current.get()
+    return rec.tenant if rec is not None else None
 
 
 def tenant_salt(cache_salt: str | None) -> str | None:
@@ -276,10 +283,22 @@ class AdmissionQueue:
     """
 
     def __init__(self, max_waiting: int | None, on_queued: Callable[[float], None],
-                 engine_load: Callable[[], tuple[int, int]] | None = None, seats: int = 0):
+                 engine_load: Callable[[], tuple[int, int]] | None = None, seats: int = 0,
+                 max_waiting_per_key: int | None = None):
         self._lock = None if engine_load else asyncio.Lock()
         self.max_waiting, self.on_queued, self.engine_load, self.seats = max_waiting, on_queued, engine_load, seats
         self.waiting = self.running = 0
+        self.per_key, self.held = max_waiting_per_key, collections.Counter()   # tenant -> its prompts held
+
+    def check_key(self, tenant: str | None, prompts: int) -> None:
+        """One API key's share: its prompts held (running or waiting) stay within the engine's seats
+        (one for Chapter 1's) plus max_waiting_per_key, so one key cannot fill the queue for all."""
+        if self.per_key is None or tenant is None:
+            return
+        room = max(self.seats, 1) + self.per_key
+        if self.held[tenant] + prompts > room:
+            raise Overloaded(f"this API key already has {self.held[tenant]} requests at the server, and one key "
+                             f"may have {room} (--max-waiting-per-key {self.per_key} beyond the engine's seats)")
 
     def check_engine(self, prompts: int) -> None:
         """Refuse (Overloaded) a request the batching engine has no room for: seats + max_waiting."""
@@ -300,6 +319,8 @@ class AdmissionQueue:
 
         With a batching engine the caller must hand its prompts over before its next await:
         the engine's count is then exact for whoever is admitted next."""
+        tenant = viewer()
+        self.check_key(tenant, prompts)
         if self._lock is None:
             self.check_engine(prompts)
         else:
@@ -313,10 +334,12 @@ class AdmissionQueue:
                 self.waiting -= 1
             self.on_queued(time.monotonic() - t0)
         self.running += 1
+        self.held[tenant] += prompts
         try:
             yield
         finally:
             self.running -= 1
+            self.held[tenant] -= prompts
             if self._lock is not None:
                 self._lock.release()
 # --8<-- [end:admission]
@@ -330,6 +353,7 @@ class ServerOps:
     admin_key: str | None = None     # the whole service's views: /metrics and /engine/*, never a tenant
     allowed_hosts: tuple[str, ...] | None = None   # Host header names served; None: any
     max_waiting: int | None = None
+    max_waiting_per_key: int | None = None   # one API key's requests beyond the engine's seats; None: no bound
     request_timeout: float | None = None
     body_timeout: float = 30.0
     shutdown_grace: float = 10.0
@@ -345,7 +369,7 @@ class ServerOps:
         for name in ("metrics_key", "admin_key"):   # a tenant holding it would read every other tenant's views
             if getattr(self, name) is not None and getattr(self, name) in keys:
                 raise ValueError(f"{name} must differ from every API key: a tenant would see the whole service")
-        for name in ("max_waiting", "request_timeout", "shutdown_grace", "body_timeout"):
+        for name in ("max_waiting", "max_waiting_per_key", "request_timeout", "shutdown_grace", "body_timeout"):
             value = getattr(self, name)
             if value is not None and not (0 <= value < float("inf")):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -375,6 +399,7 @@ class ServerOps:
         return cls(api_key=tuple(keys) or None, metrics_key=args.metrics_key or None,
                    admin_key=args.admin_key or None,
                    allowed_hosts=served_hosts(args.host, args.allowed_hosts), max_waiting=args.max_waiting,
+                   max_waiting_per_key=getattr(args, "max_waiting_per_key", None),
                    request_timeout=args.request_timeout, body_timeout=args.body_timeout,
                    shutdown_grace=args.shutdown_grace, access_log=args.access_log)
 
@@ -384,7 +409,8 @@ class ServerOps:
         self.app, self.engine, self.api_error = app, engine, api_error
         can = engine.capabilities()   # an engine that schedules itself is admitted by its seats
         self.admission = AdmissionQueue(self.max_waiting, self._queued, (lambda: engine_load(engine))
-                                        if can.schedules_itself else None, seats=can.max_num_seqs or 0)
+                                        if can.schedules_itself else None, seats=can.max_num_seqs or 0,
+                                        max_waiting_per_key=self.max_waiting_per_key)
         self.metrics = Metrics(self.snapshot)
         app.add_middleware(_OpsMiddleware, ops=self)
 
@@ -400,7 +426,7 @@ class ServerOps:
         @app.get("/engine/stats")
         async def engine_stats():
             return self.snapshot()
-        engine_view.install(app, engine)   # GET /engine/scheduler: requests, KV blocks, steps (Chapter 9)
+        engine_view.install(app, engine, viewer)   # GET /engine/scheduler: requests, KV blocks, steps (Chapter 9)
 
         @app.get("/", include_in_schema=False)
         async def page():
@@ -730,6 +756,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=cli.integer(0), default=None,
                         help="requests allowed to wait beyond those the engine runs (a batching engine's "
                              "--max-num-seqs, else one); past it: 503 (default: no bound)")
+    parser.add_argument("--max-waiting-per-key", type=cli.integer(0), default=None,
+                        help="one API key's share: its requests at the server, running or waiting, at most the "
+                             "engine's seats plus this many; past it: 503 for that key only (default: no bound)")
     parser.add_argument("--request-timeout", type=cli.number(above=0, high=MAX_TIMEOUT_S), default=None,
                         help="end a request that runs longer than this many seconds, streams included, with an "
                              f"error the client sees (default: {AUTO_TIMEOUT_BASE_S:g} s plus "

@@ -7,6 +7,8 @@ The engine calls `scheduler_snapshot` between two steps, so nothing changes whil
 
 from __future__ import annotations
 
+from minivllm.scheduler import tenant_of
+
 MAX_ROWS = 64            # request rows in one snapshot; past it, "rows_total" says how many there were
 MAX_BLOCKS = 4096        # KV blocks drawn; past it, "blocks.shown" < "blocks.total"
 FINISHED_KEEP_S = 5.0    # a finished request stays on the page this long
@@ -20,7 +22,8 @@ def request_row(r, state: str, now: float) -> dict:
             "budget": r.budget, "computed": r.num_computed, "total": r.num_tokens,
             "cached_tokens": r.cached_tokens or 0, "preemptions": r.preemptions,
             "ttft_ms": round((r.t_first - r.arrival) * 1000, 1) if r.t_first else None,
-            "age_s": round(now - r.arrival, 2), "finish_reason": r.finish_reason}
+            "age_s": round(now - r.arrival, 2), "finish_reason": r.finish_reason,
+            "tenant": tenant_of(r)}   # the server shows a tenant's key its own rows only
 
 
 def running_state(r) -> str:

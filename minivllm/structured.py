@@ -18,6 +18,7 @@ import re
 import torch
 from transformers import LogitsProcessor
 
+from minivllm.json_keys import KeyGuard, quote_tokens
 from minivllm.output import unpack_bits
 
 # --8<-- [start:grammar]
@@ -164,16 +165,19 @@ class GrammarConstraint:
     come next?) and `rollback`; `mask` masks one row alone (HF's generate, the demo's timing).
     """
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, guard: KeyGuard | None = None):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)   # rollback of any depth
-        self.vocab_size = vocab_size
+        self.vocab_size, self.guard = vocab_size, guard   # guard: no key twice in an object (JSON only)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # 1 bit a token, in int32 words
 
     def fill_bitmask(self, words: torch.Tensor, row: int) -> None:
         """Row `row` of a CPU int32 bitmask: bit j of word w says whether token 32*w + j may come next."""
         self.matcher.fill_next_token_bitmask(words, row)
+        for token in self.guard.banned() if self.guard else ():   # a token that would repeat a key
+            word = int(words[row, token >> 5]) & ~(1 << (token & 31))
+            words[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word
 
     def allowed_mask(self) -> torch.Tensor:
         """[vocab] bools, on the CPU."""
@@ -190,10 +194,15 @@ class GrammarConstraint:
         return bool(self.allowed_mask()[token])
 
     def accept(self, token: int) -> bool:
-        return self.matcher.accept_token(token)
+        ok = self.matcher.accept_token(token)
+        if ok and self.guard:
+            self.guard.accept(token)
+        return ok
 
     def rollback(self, n: int) -> None:
         self.matcher.rollback(n)
+        if self.guard:
+            self.guard.rollback(n)
 
     @property
     def finished(self) -> bool:
@@ -201,8 +210,21 @@ class GrammarConstraint:
 
 
 def make_constraint(tokenizer, vocab_size: int, eos_ids, spec: tuple) -> GrammarConstraint:
-    """One new request's constraint, its grammar compiled against the vocabulary (cached)."""
-    return GrammarConstraint(compile_spec(tokenizer, vocab_size, tuple(sorted(eos_ids)), spec), vocab_size)
+    """One new request's constraint, its grammar compiled against the vocabulary (cached); a
+    JSON answer's with a guard against repeated keys, which the grammar cannot forbid."""
+    stops = tuple(sorted(eos_ids))
+    compiled = compile_spec(tokenizer, vocab_size, stops, spec)
+    if spec[0] not in ("json_object", "json_schema"):
+        return GrammarConstraint(compiled, vocab_size)
+    vocab, quoted = token_bytes(tokenizer, vocab_size, stops)
+    return GrammarConstraint(compiled, vocab_size, KeyGuard(quoted, lambda t: vocab[t] if t < len(vocab) else b""))
+
+
+@functools.lru_cache(maxsize=8)
+def token_bytes(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]):
+    """Every token's bytes as the grammar reads them, and those holding a quote (the KeyGuard's)."""
+    vocab = compile_spec(tokenizer, vocab_size, stop_ids, ("json_object", True)).tokenizer_info.decoded_vocab
+    return vocab, quote_tokens(vocab)
 # --8<-- [end:constraint]
 
 

@@ -40,15 +40,34 @@ $("key-form").addEventListener("submit", (e) => {
   tick();   // the pollers try the key at once, not at their next tick
 });
 
+// The conversation so far: every turn goes out again with the next question, as a chat client
+// does (the model remembers nothing between requests). The last MAX_TURNS messages, at most.
+const MAX_TURNS = 12;
+let conversation = [];
+
+function turn(role, text) {
+  const div = document.createElement("div");
+  div.className = "turn " + role; div.textContent = text;
+  $("answer").append(div);
+  $("answer").scrollTop = $("answer").scrollHeight;
+  return div;
+}
+
+$("new-chat").addEventListener("click", () => { conversation = []; $("answer").replaceChildren(); });
+
 async function ask(prompt) {
-  $("answer").textContent = ""; $("ttft").textContent = "…"; $("rate").textContent = "…";
+  $("ttft").textContent = "…"; $("rate").textContent = "…";
+  turn("user", prompt);
+  const shown = turn("assistant", "");
+  const messages = [...conversation, { role: "user", content: prompt }].slice(-MAX_TURNS);
   const start = performance.now();
-  let first = null, pieces = 0, tokens = null;
+  let first = null, pieces = 0, tokens = null, text = "";
   const r = await call("/v1/chat/completions", { method: "POST", body: JSON.stringify(
-    { messages: [{ role: "user", content: prompt }], max_tokens: 128, stream: true }) });
+    { messages, max_tokens: 128, stream: true }) });
   if (!r.ok) {
     const err = await r.json().catch(() => ({}));
-    $("answer").textContent = "Error " + r.status + ": " + ((err.error || {}).message || r.statusText);
+    shown.textContent = "Error " + r.status + ": " + ((err.error || {}).message || r.statusText);
+    shown.classList.add("error");
     $("ttft").textContent = "-"; $("rate").textContent = "-";
     return;
   }
@@ -63,18 +82,20 @@ async function ask(prompt) {
       const data = event.replace(/^data: /, "").trim();
       if (!data || data === "[DONE]") continue;
       const obj = JSON.parse(data);
-      if (obj.error) { $("answer").textContent += "\n[" + obj.error.message + "]"; continue; }
+      if (obj.error) { shown.textContent += "\n[" + obj.error.message + "]"; continue; }
       const piece = ((obj.choices || [])[0] || {}).delta?.content;
       if (piece) {
         if (first === null) { first = performance.now(); $("ttft").textContent = Math.round(first - start) + " ms"; }
-        $("answer").textContent += piece; pieces++;
+        text += piece; shown.textContent = text; pieces++;
         $("answer").scrollTop = $("answer").scrollHeight;   // a long answer scrolls in its box: the chat stays in view
       }
       if (obj.metrics) tokens = obj.metrics.output_tokens;
     }
   }
+  // The answer's size and time, not a second tokens/s beside the engine's: one rate on the page.
   const n = tokens ?? pieces, end = performance.now();
-  if (first !== null && n > 1) $("rate").textContent = ((n - 1) / ((end - first) / 1000)).toFixed(1);
+  $("rate").textContent = n + " tokens in " + ((end - start) / 1000).toFixed(1) + " s";
+  conversation = [...messages, { role: "assistant", content: text }];
 }
 
 // The engine's features as one line: on/off switches by name, settings with their value
@@ -95,6 +116,9 @@ let lastStep = -1, scheduling = null;   // null: not known yet (the first answer
 function drawBars() {
   batches.splice(0, Math.max(0, batches.length - HISTORY));
   const top = Math.max(1, ...batches);
+  $("y-top").textContent = top;   // the axis: 0 at the bottom, the tallest bar's requests at the top
+  $("x-left").textContent = scheduling ? "-" + batches.length + " steps" : "-" + batches.length / 2 + " s";
+  $("x-unit").textContent = scheduling ? "engine steps, newest at the right" : "time, newest at the right";
   $("batches").replaceChildren(...batches.map((b) => {
     const bar = document.createElement("div"); bar.style.height = (100 * b / top) + "%"; bar.title = b; return bar;
   }));
@@ -157,23 +181,36 @@ function drawRows(s) {
 function drawBlocks(b) {
   const grid = $("kv-grid");
   if (grid.children.length !== b.shown) {   // cells are made once and restyled on every poll
-    grid.style.setProperty("--cell", (b.shown > 1024 ? 9 : b.shown > 256 ? 14 : 22) + "px");   // a pool fits a screen
     grid.replaceChildren(...Array.from({ length: b.shown }, () => document.createElement("i")));
   }
+  fitCells(grid, b.shown);
   const owners = b.owner;
   for (let i = 0; i < b.shown; i++) {
     const cell = grid.children[i], o = owners[i], refs = b.refs[i], cached = b.cached.length ? b.cached[i] : 0;
-    const cls = "kv" + (o >= 0 ? " owned" : "") + (refs > 1 ? " shared" : "") + (o < 0 && cached ? " cached" : "");
+    // -2: another tenant's block (a tenant's key sees its own requests only, and how full the pool is)
+    const cls = "kv" + (o >= 0 ? " owned" : o === -2 ? " others" : "") + (refs > 1 ? " shared" : "") + (o < 0 && cached ? " cached" : "");
     if (cell.className !== cls) cell.className = cls;
     if (o >= 0) { paint(cell, o); cell.dataset.owner = o; }
     else { delete cell.dataset.owner; }
-    cell.title = "block " + i + (o >= 0 ? ": r" + o + (refs > 1 ? ", " + refs + " requests" : "") : cached ? ": cached" : ": free");
+    cell.title = "block " + i + (o >= 0 ? ": r" + o + (refs > 1 ? ", " + refs + " requests" : "") : o === -2 ? ": another key's" : cached ? ": cached" : ": free");
   }
   const used = owners.filter((o) => o >= 0).length;
+  $("legend-others").hidden = !owners.includes(-2);
   $("kv-summary").textContent = (b.total - b.free) + " of " + b.total + " blocks in use · " + b.block_size +
     " tokens each" + (b.prefix_caching ? " · prefix caching on" : "");
   $("kv-note").hidden = b.shown === b.total;
   $("kv-note").textContent = "drawing the first " + b.shown + " of " + b.total + " blocks (" + used + " of them in use)";
+}
+
+// The largest square cell with which the whole pool fits the grid's box (its width, and the height
+// its column leaves it), so the pool is on screen at once, however many blocks it has.
+function fitCells(grid, n) {
+  const projector = window.innerWidth > 900;   // style.css: there the grid's box has the height it may use
+  const w = grid.clientWidth, h = projector ? grid.clientHeight : Infinity;
+  let cell = 28;
+  while (cell > 4 && Math.floor((w + 2) / (cell + 2)) * Math.floor((h + 2) / (cell + 2)) < n) cell--;
+  const px = cell + "px";
+  if (grid.style.getPropertyValue("--cell") !== px) grid.style.setProperty("--cell", px);
 }
 
 async function pollScheduler() {
@@ -184,13 +221,14 @@ async function pollScheduler() {
     if (s.available === null) return;   // a first step still running: ask again
     scheduling = !!s.available;
     $("scheduler").hidden = !scheduling;
+    document.body.classList.toggle("scheduling", scheduling);   // the panel's copies of its figures step aside
     if (!scheduling) return;
     if (s.step < lastStep) { lastStep = -1; batches.length = 0; }   // a new server: start the chart again
     for (const [n, size] of s.steps) if (n > lastStep) { batches.push(size); lastStep = n; }
-    $("batches-title").textContent = "batch size of the last " + HISTORY + " steps";
+    $("batches-title").textContent = "batch size (requests in one step) of the last " + HISTORY + " steps";
     drawBars();
     $("step").textContent = s.step; $("steps-per-s").textContent = s.steps_per_s;
-    $("gen-per-s").textContent = s.tokens_per_s;
+    $("gen-per-s").textContent = s.tokens_per_s; $("gen-window").textContent = s.window_s;
     $("sched-running").textContent = s.running + " / " + s.max_num_seqs;
     $("sched-waiting").textContent = s.waiting; $("sched-preemptions").textContent = s.preemptions;
     drawRows(s); drawBlocks(s.blocks);

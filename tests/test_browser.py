@@ -210,3 +210,44 @@ def test_the_chat_stays_in_view_beside_the_scheduler_at_1280x900(browser, cb_ser
             assert scheduler["top"] < height and scheduler["bottom"] > 0, scheduler
     finally:
         browser.set_window_size(1400, 900)
+
+
+def test_the_projector_layout_fits_1280x720_and_the_chat_keeps_its_conversation(browser, cb_server):
+    """1280x720, no scroll: the chat, the scheduler, the whole KV pool and the chart with its axes
+    at once; one tokens/s figure on the page; a second question goes out with the first turn."""
+    browser.set_window_size(1280, 720)
+    try:
+        inner = browser.execute_script("return [window.innerWidth, window.innerHeight];")
+        browser.set_window_size(2 * 1280 - inner[0], 2 * 720 - inner[1])   # the page's own area is 1280x720
+        browser.get(cb_server + "/")
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda d: d.find_element(By.ID, "scheduler").is_displayed()
+                   and d.find_elements(By.CSS_SELECTOR, "#kv-grid i"))
+        browser.execute_script(   # what the page sends, kept for the test
+            "window.sent = []; const f = window.fetch; window.fetch = (url, o) => "
+            "{ if (url.includes('chat')) window.sent.push(JSON.parse(o.body)); return f(url, o); };")
+        for question in ("Name a colour.", "And another one?"):
+            prompt = browser.find_element(By.ID, "prompt")
+            prompt.clear()
+            prompt.send_keys(question + "\n")
+            wait.until(lambda d: d.find_element(By.ID, "rate").text.endswith(" s"))
+        width, height = browser.execute_script("return [window.innerWidth, window.innerHeight];")
+        assert (width, height) == (1280, 720)
+        if SCREENSHOT:
+            browser.save_screenshot(str(REPO_ROOT / SCREENSHOT).replace(".png", "-1280x720.png"))
+        assert browser.execute_script("return document.documentElement.scrollHeight;") <= height   # no scroll
+        last_cell = browser.execute_script("return document.querySelector('#kv-grid i:last-child')"
+                                           ".getBoundingClientRect().toJSON();")
+        for box in [rect(browser, name) for name in ("chat", "scheduler", "kv-grid", "chart", "requests-box")] + [last_cell]:
+            assert 0 <= box["top"] and box["bottom"] <= height and 0 <= box["left"] and box["right"] <= width, box
+        rates = browser.execute_script(
+            "return [...document.querySelectorAll('dt')].filter((e) => e.offsetParent && e.textContent.includes('tokens/s'))"
+            ".map((e) => e.textContent);")
+        assert len(rates) == 1, rates
+        assert int(browser.find_element(By.ID, "y-top").text) >= 1
+        assert "steps" in browser.find_element(By.ID, "x-axis").text
+        sent = browser.execute_script("return window.sent;")
+        assert [m["role"] for m in sent[1]["messages"]] == ["user", "assistant", "user"], sent
+        assert sent[1]["messages"][0]["content"] == "Name a colour." and sent[1]["messages"][1]["content"]
+    finally:
+        browser.set_window_size(1400, 900)
