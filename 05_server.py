@@ -52,6 +52,7 @@ from kit import adapter_routes      # Chapter 17: adapters by name, loaded while
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
 from kit import scoring_api         # echo, prompt_logprobs, max_tokens 0: scoring a prompt
+from kit import responses_api       # /v1/responses: text in and out, over the chat route
 from kit import replica_server      # Chapter 18: --replicas N on Ray Serve (Ray is imported only then)
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
 from kit import structured_api      # Chapter 11: response_format, guided_*, tools
@@ -77,6 +78,7 @@ def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: serv
     server = OpenAIServer(engine, model_name, ops.admission)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/completions")(server.completions)
+    responses_api.install(app, server.chat_completions)   # OpenAI's /v1/responses, for text, over chat
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model:path}")(server.model)
     app.get("/health")(server.health)

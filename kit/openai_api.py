@@ -287,7 +287,8 @@ NOT_FOR_COMPLETIONS = dict.fromkeys(sorted(ChatRequest.model_fields.keys() - Com
 # --8<-- [end:request-models]
 
 
-ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}")
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models",
+          "GET /v1/models/{model}")
 
 
 # --8<-- [start:errors]
