@@ -52,6 +52,8 @@ from kit import adapter_routes      # Chapter 17: adapters by name, loaded while
 from kit import cli
 from kit import openai_api as api   # the wire format: request bodies, errors, answer shapes
 from kit import openapi_doc         # the OpenAPI document: every status a route answers
+from kit import scoring_api         # echo, prompt_logprobs, max_tokens 0: scoring a prompt
+from kit import responses_api       # /v1/responses: text in and out, over the chat route
 from kit import replica_server      # Chapter 18: --replicas N on Ray Serve (Ray is imported only then)
 from kit import server_ops          # admission, keys, metrics, timeouts, shutdown, the page
 from kit import structured_api      # Chapter 11: response_format, guided_*, tools
@@ -77,6 +79,7 @@ def make_app(engine: BaseOfflineEngine, model_name: str | None = None, ops: serv
     server = OpenAIServer(engine, model_name, ops.admission)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/completions")(server.completions)
+    responses_api.install(app, server.chat_completions)   # OpenAI's /v1/responses, for text, over chat
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model:path}")(server.model)
     app.get("/health")(server.health)
@@ -103,7 +106,7 @@ class OpenAIServer:
     async def chat_completions(self, req: ChatRequest, request: Request):
         lora = self.adapter_for(req)
         messages = api.chat_messages(req.messages)
-        params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
+        params = self.scoring(req)
         tools = params.structured is not None and params.structured[0] == "structural_tag"   # Chapter 11
         if tools:   # the model learns the functions from its system message
             messages = structured_api.with_tools(messages, req.tools)
@@ -122,7 +125,10 @@ class OpenAIServer:
         if req.stream:
             return await self.stream(jobs[0], params, req, request, rid, created, tools)
         [result] = await until_disconnected(request, self.generate(jobs, params))   # a hang-up stops it
-        return api.chat_completion(rid, created, self.model_name, result, self.engine.tokenizer, tools)
+        answer = api.chat_completion(rid, created, self.model_name, result, self.engine.tokenizer, tools)
+        if req.prompt_logprobs is not None:   # vLLM's field, beside the choices as vLLM places it
+            answer["prompt_logprobs"] = scoring_api.vllm_prompt_logprobs(result, self.engine.tokenizer, api._logprob)
+        return answer
     # --8<-- [end:chat-endpoint]
 
     async def completions(self, req: CompletionRequest, request: Request):
@@ -135,19 +141,34 @@ class OpenAIServer:
         lora = self.adapter_for(req)
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes a single prompt", param="prompt")
-        params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
+        params = self.scoring(req)
+        limit = 1 if req.max_tokens == 0 else req.max_tokens   # 0 (with echo): one token runs the prefill, dropped
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.check_size([prompt], "prompt")
             elif not all(0 <= t < len(self.engine.tokenizer) for t in prompt):   # token ids the model has
                 raise APIError(400, f"prompt token ids must be in [0, {len(self.engine.tokenizer)})", param="prompt")
-        jobs = await run_in_threadpool(self.prepare, prompts, req.max_tokens, "max_tokens", params, lora)
+        jobs = await run_in_threadpool(self.prepare, prompts, limit, "max_tokens", params, lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return await self.stream(jobs[0], params, req, request, rid, created)
         results = await until_disconnected(request, self.generate(jobs, params))
         return api.text_completion(rid, created, self.model_name, results, self.engine.tokenizer,
-                                   single=single)
+                                   single=single, req=req, prompts=prompts)
+
+    def scoring(self, req) -> SamplingParams:
+        """The request's SamplingParams, once scoring a prompt (kit/scoring_api.py: echo, prompt_logprobs,
+        max_tokens 0) is known to be servable by this engine."""
+        try:
+            scoring_api.check(req)
+        except scoring_api.ScoringError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+        params = api.sampling_params(req, SamplingParams, server_ops.tenant_salt)
+        if params.prompt_logprobs is not None and not self.can.scores_prompts:
+            raise APIError(400, "scoring a prompt (echo with logprobs, prompt_logprobs) is not supported by this "
+                                "engine (the assembled engine, minivllm:LLM, has it)",
+                           param="echo" if getattr(req, "echo", False) else "prompt_logprobs")
+        return params
 
     # --8<-- [start:prepare]
     def check_size(self, texts: list[str], field: str) -> None:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kit import structured_api
+from kit import scoring_api, structured_api
 from minivllm import text
 from minivllm.contracts import REQUEST_FIELDS
 from minivllm.engine_loop import EngineUnavailable
@@ -100,13 +100,13 @@ class StreamOptions(_Strict):
 # store, ...) are accepted, so that standard clients work.
 UNSUPPORTED = {
     "functions": None, "function_call": None,
-    "best_of": (None, 1), "echo": (None, False), "suffix": None, "audio": None, "modalities": None,
+    "best_of": (None, 1), "suffix": None, "audio": None, "modalities": None,
     "prediction": None, "web_search_options": None, "reasoning_effort": None, "verbosity": None,
     # vLLM's sampling, output and prompt extensions
     "typical_p": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False), "bad_words": (None, []),
     "allowed_token_ids": None, "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "prompt_logprobs": None, "truncate_prompt_tokens": None,
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": None,
     "logits_processors": None, "add_generation_prompt": (None, True),
     "continue_final_message": (None, False), "chat_template": None, "chat_template_kwargs": None,
 }
@@ -120,6 +120,8 @@ def check_request(req: SamplingFields, model_name: str, adapters: tuple[str, ...
     refuse_unsupported(req.model_extra or {})
     if isinstance(req, CompletionRequest):
         refuse_unsupported(req.model_extra or {}, NOT_FOR_COMPLETIONS)
+    else:   # echo is the legacy completions' (scoring a prompt: kit/scoring_api.py)
+        refuse_unsupported(req.model_extra or {}, {"echo": (None, False)})
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if req.model is not None and req.model != model_name and req.model not in adapters:   # one base model
@@ -235,6 +237,7 @@ class SamplingFields(_Strict):
     min_tokens: int = field_for("min_tokens")
     stop_token_ids: list[int] | None = None   # its length is SamplingParams' to check
     structured_outputs: StructuredOutputs | None = None   # vLLM's current extra: one of json, regex, ...
+    prompt_logprobs: int | None = field_for("prompt_logprobs")   # vLLM's: each prompt token's (kit/scoring_api.py)
 
     def token_limit(self) -> tuple[int | None, str]:
         """The requested number of new tokens, and the field that asked for it."""
@@ -274,6 +277,9 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     _few_prompts = _at_most(MAX_PROMPTS, "prompts")
     logprobs: int | None = field_for("logprobs")   # legacy form: the number of alternatives
+    # Scoring a prompt (kit/scoring_api.py): 0 new tokens only with echo
+    max_tokens: int | None = Field(None, ge=0, description="a cap on new tokens; 0: score the prompt (with echo)")
+    echo: bool = False                        # the prompt comes back before the answer, with its logprobs
 
 
 # Chat-only fields sent to /v1/completions are refused, not ignored (null is "not sent").
@@ -281,7 +287,8 @@ NOT_FOR_COMPLETIONS = dict.fromkeys(sorted(ChatRequest.model_fields.keys() - Com
 # --8<-- [end:request-models]
 
 
-ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}")
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models",
+          "GET /v1/models/{model}")
 
 
 # --8<-- [start:errors]
@@ -400,7 +407,7 @@ def sampling_params(req: SamplingFields, params_class: type, cache_salt=lambda s
                               min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or (),
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
                               logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=cache_salt(req.cache_salt),
-                              **adjustments)
+                              prompt_logprobs=scoring_api.prompt_logprobs(req), **adjustments)
         if params.structured is not None:   # does it parse? asked now, whatever engine serves it
             StructuredOutput().check(params.structured)
         return params
@@ -605,16 +612,23 @@ def chat_completion(rid: str, created: int, model_name: str, result, tokenizer, 
     }
 
 
-def text_completion(rid: str, created: int, model_name: str, results: list, tokenizer, single: bool) -> dict:
-    """A completions answer: one choice per prompt; `metrics` is one dict for a single prompt, else a list."""
+def text_completion(rid: str, created: int, model_name: str, results: list, tokenizer, single: bool,
+                    req: CompletionRequest | None = None, prompts: list | None = None) -> dict:
+    """A completions answer: one choice per prompt; `metrics` is one dict for a single prompt, else a list.
+    req and prompts: a request that scores its prompts (echo, prompt_logprobs: kit/scoring_api.py)."""
     metrics = [r.metrics.as_dict() for r in results]
+    choices = [{"index": i, "text": r.text,
+                "logprobs": None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
+                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+    counted = usage(results)
+    if req is not None and (req.echo or req.prompt_logprobs is not None or req.max_tokens == 0):
+        choices = [scoring_api.echoed(c, r, p, tokenizer, req.max_tokens == 0, req.echo, req.prompt_logprobs is not None,
+                                      _logprob) for c, r, p in zip(choices, results, prompts)]
+        if req.max_tokens == 0:   # the token that ran the prefill is not an answer
+            counted.update(completion_tokens=0, total_tokens=counted["prompt_tokens"])
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model_name,
-        "choices": [{"index": i, "text": r.text,
-                     "logprobs": None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
-                     "finish_reason": r.finish_reason} for i, r in enumerate(results)],
-        "usage": usage(results),
-        "metrics": metrics[0] if single else metrics,
+        "choices": choices, "usage": counted, "metrics": metrics[0] if single else metrics,
     }
 
 

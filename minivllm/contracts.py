@@ -72,6 +72,9 @@ class SamplingParams:
                                              low=-2.0, high=2.0)
     logprobs: int | None = request_field(None, "None: off; k: the chosen token's log-probability and the k "
                                                "likeliest", low=0, high=20, openai="top_logprobs")
+    # vLLM's: the prefill scores the prompt itself (minivllm/prompt_logprobs.py), the first token None
+    prompt_logprobs: int | None = request_field(None, "vLLM's: None: off; k: each prompt token's log-probability "
+                                                      "and the k likeliest (the first token: None)", low=0, high=20)
     # Chapter 11: a dict with one key, {"json_schema": dict or JSON text}, {"json_object": True},
     # {"regex": str}, {"grammar": EBNF str} or {"choice": [str, ...]}, kept as the pair (kind, text)
     # (choice: a tuple of str)
@@ -134,7 +137,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name in ("top_k", "max_tokens", "seed", "logprobs", "min_tokens"):
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
             value = getattr(self, name)
             if (value is not None or name in ("top_k", "min_tokens")) and not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -442,6 +445,7 @@ class EngineCapabilities:
     # Chapter 17: LoRA adapters served by name (add_lora, list_loras); new_request takes a lora_request.
     serves_adapters: bool = False
     vllm_sampling: bool = False         # it honours SamplingParams' min_p, min_tokens and stop_token_ids
+    scores_prompts: bool = False        # it honours SamplingParams.prompt_logprobs (minivllm/prompt_logprobs.py)
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_size", "max_num_seqs", "token_capacity"):

@@ -43,7 +43,7 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         return super().capabilities().replace(
             model_name=self.model_name, device=str(self.device), context_length=self.context_length,
             streams=True, accepts_token_ids=True, schedules_itself=True, max_num_seqs=self.max_num_seqs,
-            token_capacity=self.token_capacity, vllm_sampling=True)
+            token_capacity=self.token_capacity, vllm_sampling=True, scores_prompts=True)
 
     # --8<-- [start:init]
     def __init__(self, model_name: str, tokenizer, output: OutputProcessor, runner: ModelRunner,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm import prompt_logprobs
 from minivllm.model import LlamaModel, RaggedBatch
 from minivllm.output import Request, sample
 
@@ -68,7 +69,10 @@ class ModelRunner:
              places: list) -> list[int | None]:
         """prepare -> forward -> sample. The next token of each request whose known tokens are all
         computed after this step; None for a request still in the middle of its prompt."""
-        logits = self.forward(requests, starts, lengths, places)
+        rows = prompt_logprobs.logit_rows(requests, starts, lengths)   # None unless a prompt is scored
+        logits = self.forward(requests, starts, lengths, places, rows)
+        if rows is not None:
+            logits = prompt_logprobs.record(logits, requests, starts, lengths, rows)
         ready = [i for i, (r, s, n) in enumerate(zip(requests, starts, lengths)) if s + n == r.num_tokens]
         tokens: list[int | None] = [None] * len(requests)
         if ready:

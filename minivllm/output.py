@@ -46,6 +46,7 @@ class Request:
     history: TokenHistory | None = None  # tokens seen, when a bias or penalty needs them
     logprobs: list | None = None                  # one TokenLogprob per new id, when asked for
     logprobs_sent: int = 0                        # how many of them a streamed piece carried already
+    prompt_logprobs: list | None = None           # [None, one TokenLogprob per prompt token scored so far]
     # Where its keys and values stand (Chapters 7 to 9):
     num_computed: int = 0                         # tokens whose K/V are in the cache
     cached_tokens: int | None = None              # prompt tokens a prefix cache held (Chapter 8)
@@ -65,6 +66,10 @@ class Request:
     def cache_salt(self):
         """What its cached prefix blocks are keyed by besides the tokens: the client's salt and, with
         an adapter (Chapter 17), that adapter's load: the same text under another adapter shares nothing."""
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.n_prompt:
+            # scoring a prompt needs the logits of every position: a cached prefix has its K/V but
+            # not those, so this request shares no cached block until its prompt is scored
+            return ("prompt_logprobs", self.id, self.params.cache_salt)
         if self.adapter is None:
             return self.params.cache_salt
         return ("lora", self.adapter.key, self.params.cache_salt)
@@ -254,6 +259,7 @@ class OutputProcessor:
                        IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
                        new_seed() if params.seed is None else params.seed, history=history,
                        logprobs=None if params.logprobs is None else [], constraint=constraint, held_back=held,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None],
                        **({} if arrival is None else {"arrival": arrival}))
     # --8<-- [end:output-processor]
 
@@ -291,5 +297,6 @@ class OutputProcessor:
         return GenerateResult(text=r.detok.text, output_ids=list(r.new_ids), metrics=metrics,
                               finish_reason=r.finish_reason or "length", prompt=r.prompt,
                               prompt_token_ids=list(r.prompt_ids), stop_reason=stop_reason(r),
-                              logprobs=None if r.logprobs is None else list(r.logprobs[:logprob_tokens(r)]))
+                              logprobs=None if r.logprobs is None else list(r.logprobs[:logprob_tokens(r)]),
+                              prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
     # --8<-- [end:metrics]

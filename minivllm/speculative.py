@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm import sampling
+from minivllm import prompt_logprobs, sampling
 from minivllm.block_manager import BlockManager
 from minivllm.config import SPECULATIVE_METHODS, check_option
 from minivllm.kv_cache import KVPool, PoolFullError
@@ -265,7 +265,13 @@ class Speculator(ModelRunner):
         """prepare -> forward -> accept: the tokens each request keeps (None: a prefill chunk)."""
         ready = [s + n == r.num_tokens + len(r.draft_ids) for r, s, n in zip(requests, starts, lengths)]
         num_logits = [1 + len(r.draft_ids) if ok else 1 for r, ok in zip(requests, ready)]
+        scoring = prompt_logprobs.logit_rows(requests, starts, lengths)   # a prefill scoring its prompt
+        if scoring is not None:      # has no guesses: its whole chunk's rows, then its last as one
+            num_logits = [m if r.draft_ids else n for r, m, n in zip(requests, num_logits, scoring)]
         logits = self.runner.forward(requests, starts, lengths, places, num_logits).split(num_logits)
+        if scoring is not None:
+            logits = [block if r.draft_ids else prompt_logprobs.record(block, [r], [s], [n], [len(block)])
+                      for r, s, n, block in zip(requests, starts, lengths, logits)]
         runs: list[list[int] | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if ready[i] and not r.draft_ids]   # the same draw either way
         for i, token in zip(plain, sample(torch.cat([logits[i] for i in plain]), [requests[i] for i in plain])
