@@ -333,8 +333,11 @@ def stamp(threads_used: int | None = None) -> str:
 
     from minivllm import threads
     n = threads_used or torch.get_num_threads()
-    return (f"[captured {time.strftime('%Y-%m-%d')} on {threads.cpu_name().split(',')[0]}, {os.cpu_count()} CPU cores, "
-            f"{n} torch thread{'s' if n > 1 else ''}, torch {torch.__version__}, Python {platform.python_version()}]\n")
+    flags = importlib.import_module("01_setup").cpu_flags()   # two EPYCs may differ: AVX-512 or not
+    isa = f" ({', '.join(name for name, has in flags.items() if has) or 'no avx2'})" if flags else ""
+    return (f"[captured {time.strftime('%Y-%m-%d')} on {threads.cpu_name().split(',')[0]}{isa}, {os.cpu_count()} CPU cores, "
+            f"{n} torch thread{'s' if n > 1 else ''}, torch {torch.__version__}, Python {platform.python_version()}, "
+            f"load average {os.getloadavg()[0]:.1f}]\n")   # a figure taken under load says so
 
 
 def main() -> int:
