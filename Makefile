@@ -2,13 +2,17 @@
 #   make run    venv + install + model fetch + python 04_engine.py
 #   make test   venv + install + model fetch + the whole test suite (incl. the strict book build),
 #               then the exercises' shipped solutions (exercises/README.md)
+# and one retakes the book's headline numbers on this machine, CPU only (book/results.md):
+#   make results        quick: about 10 minutes on a quiet 2-core machine (estimated from the captures)
+#   make results-full   the chapters' own workloads: 1 to 2 hours there (the report says how long it took)
+#   PEERS=1 make results    vLLM's CPU build beside ours too (installed apart: kit/peers.py)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install model run setup test test-fast book book-build book-outputs clean
+.PHONY: install model run setup test test-fast book book-build book-outputs results results-full help clean
 
 # constraints.txt pins the versions the book and the tests were run with (scripts/make_constraints.py)
 $(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
@@ -37,6 +41,17 @@ test-fast: install
 
 book-outputs: model
 	$(PY) scripts/capture_outputs.py
+
+# Median of 3 alternating runs per entry, with the range; writes book/outputs/results.txt
+RESULTS_FLAGS := $(if $(PEERS),--peers,)
+results: model
+	$(PY) scripts/results.py $(RESULTS_FLAGS)
+
+results-full: model
+	$(PY) scripts/results.py --full $(RESULTS_FLAGS)
+
+help:
+	@sed -n '1,/^PYTHON/p' Makefile | grep '^#'
 
 # Material prints an end-of-life banner on every mkdocs run; the variable is its documented off switch.
 book: install

@@ -106,5 +106,6 @@ def engine_main(engine_class: type[BaseOfflineEngine], description: str, **defau
                                               if name in takes and name not in ("dtype", "threads")))
     parser.set_defaults(**defaults)
     args = parser.parse_args()
-    features = {name: value for name, value in cli.engine_options(args).items() if name != "dtype"}  # demo's own
+    # only what the engine takes: demo_parser's own --seed is the request's, not an engine option
+    features = {name: value for name, value in cli.engine_options(args).items() if name in takes and name != "dtype"}
     return demo(engine_class, args, **features)

@@ -82,8 +82,8 @@ class Scheduler:
 
     # --8<-- [start:schedule]
     def schedule(self) -> ScheduledBatch:
-        """Decodes of running requests first, then prefill chunks, then guesses to verify (Chapter
-        10) from what is left, then new admissions."""
+        """Decodes of running requests first, then prefill chunks, then new admissions; the guesses
+        to verify (Chapter 10, `add_guesses`) come after, from what the budget has left."""
         out = ScheduledBatch([], [], [], [])
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]

@@ -69,6 +69,9 @@ ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "
             "exclusiveMaximum", "multipleOf", "minProperties", "maxProperties"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
                "deprecated", "readOnly", "writeOnly"}
+# The string formats xgrammar turns into rules; any other name compiles to a plain string.
+FORMATS = {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
+           "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
 WHY_NOT = {"oneOf": "the grammar cannot check that exactly one branch matches; use anyOf",
            "additionalProperties": "a key the schema does not name could be written twice; "
                                    "name every key and set additionalProperties to false"}
@@ -88,6 +91,8 @@ def check_schema(schema, where: str = "schema") -> None:
         if key not in ENFORCED or (key == "additionalProperties" and value is not False):
             reason = WHY_NOT.get(key, "the grammar cannot enforce it")
             raise ValueError(f"{at}: the keyword {key!r} is not supported ({reason})")
+        if key == "format" and value not in FORMATS:
+            raise ValueError(f"{at}: the format {value!r} is not supported (known: {', '.join(sorted(FORMATS))})")
         if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
             raise ValueError(f"{at}: only references inside the schema ('#/...') are supported, got {value!r}")
         if key in ("properties", "$defs", "definitions") and isinstance(value, dict):

@@ -317,16 +317,27 @@ def capture(entry: Capture) -> str:
             shown = _LOOPBACK.sub("127.0.0.1:8001", command)  # a stable port in the book
             out = _LOOPBACK.sub("127.0.0.1:8001", _run(command, env, entry.timeout_s))
             parts.append(f"$ {shown}\n{out.rstrip()}\n")
-        return clean("\n".join(parts) + "\n" + stamp())
+        return clean("\n".join(parts) + "\n" + stamp(threads_of(entry.commands)))
 
 
-def stamp() -> str:
-    """Where and when: the last line of every capture, so that a figure in the book names both."""
+def threads_of(commands: list[str]) -> int | None:
+    """The torch thread count the commands ask for (OMP_NUM_THREADS=N or --threads N), if one does."""
+    found = re.search(r"OMP_NUM_THREADS=(\d+)|--threads (\d+)", " ".join(commands))
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+def stamp(threads_used: int | None = None) -> str:
+    """Where and when: the last line of every capture, so that a figure in the book names both,
+    with the threads it ran on (torch's default, one per core, where the command sets none)."""
     import torch
 
     from minivllm import threads
-    return (f"[captured {time.strftime('%Y-%m-%d')} on {threads.cpu_name().split(',')[0]}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, Python {platform.python_version()}]\n")
+    n = threads_used or torch.get_num_threads()
+    flags = importlib.import_module("01_setup").cpu_flags()   # two EPYCs may differ: AVX-512 or not
+    isa = f" ({', '.join(name for name, has in flags.items() if has) or 'no avx2'})" if flags else ""
+    return (f"[captured {time.strftime('%Y-%m-%d')} on {threads.cpu_name().split(',')[0]}{isa}, {os.cpu_count()} CPU cores, "
+            f"{n} torch thread{'s' if n > 1 else ''}, torch {torch.__version__}, Python {platform.python_version()}, "
+            f"load average {os.getloadavg()[0]:.1f}]\n")   # a figure taken under load says so
 
 
 def main() -> int:

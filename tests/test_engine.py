@@ -358,3 +358,20 @@ def test_an_engine_script_runs_with_its_features_and_dtype(tiny_model_dir):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "[Metrics]" in done.stdout and "'prefix_caching': True" in done.stdout
+
+
+def test_the_demos_seed_is_the_requests_not_a_keyword_for_an_engine_without_one(monkeypatch):
+    """`python 04_engine.py --seed 1`: BaselineEngine takes no seed, so none is passed to it."""
+    import sys
+
+    from kit import demo as kit_demo
+
+    class Engine:
+        def __init__(self, model_name=None, device=None, dtype=None):
+            pass
+
+    seen = {}
+    monkeypatch.setattr(kit_demo, "demo", lambda cls, args, **features: seen.update(features, request_seed=args.seed))
+    monkeypatch.setattr(sys, "argv", ["04_engine.py", "--seed", "1", "--temperature", "0.8"])
+    kit_demo.engine_main(Engine, "a demo")
+    assert seen == {"request_seed": 1}

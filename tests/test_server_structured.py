@@ -6,6 +6,7 @@ import json
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 from fastapi.testclient import TestClient
 
 from conftest import load_script
@@ -184,7 +185,8 @@ BAD = [
                               ("if/then", {"type": "integer", "if": {"minimum": 1}, "then": {"maximum": 3}}),
                               ("patternProperties", {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}),
                               ("open keys", {"type": "object", "additionalProperties": True}),
-                              ("a remote $ref", {"$ref": "http://example.com/x.json"})]],
+                              ("a remote $ref", {"$ref": "http://example.com/x.json"}),
+                              ("an unknown format", {"type": "string", "format": "phone"})]],
     ("a tool whose parameters are not an object", {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "string"}}}]}, "tools"),
     ("two tools with one name", {"tools": [WEATHER, WEATHER]}, "tools"),
@@ -231,14 +233,23 @@ def test_a_refused_keyword_is_named_with_where_it_is(http):
 
 
 def test_schema_check_allows_annotations_and_enforced_keywords_only():
-    from minivllm.structured import check_schema
+    from minivllm.structured import FORMATS, check_schema
+
+    def grammar(name):
+        return str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "format": name})))
+
+    unknown = grammar("no-such-format")   # what xgrammar makes of a name it does not know: any string
+    for name in FORMATS:                  # each known one it turns into rules of its own
+        assert grammar(name) != unknown, name
+        check_schema({"type": "string", "format": name})
 
     check_schema({"title": "t", "description": "d", "type": "object", "$defs": {"p": {"type": "integer"}},
                   "properties": {"a": {"$ref": "#/$defs/p", "default": 1}, "b": {"anyOf": [{"type": "string"}, True]}},
                   "additionalProperties": False, "required": ["a"]})
     for bad, where in [({"oneOf": [True]}, "schema.oneOf"), ({"items": {"contains": {}}}, "schema.items.contains"),
                        ({"anyOf": [{"dependentRequired": {}}]}, "schema.anyOf[0].dependentRequired"),
-                       ({"maxItem": 3}, "schema.maxItem")]:
+                       ({"maxItem": 3}, "schema.maxItem"),
+                       ({"properties": {"a": {"type": "string", "format": "iban"}}}, "schema.properties.a.format")]:
         with pytest.raises(ValueError, match=where.replace("[", r"\[").replace("]", r"\]").replace("$", r"\$")):
             check_schema(bad)
 

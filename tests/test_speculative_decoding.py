@@ -358,7 +358,7 @@ def test_a_seeded_request_samples_the_same_alone_and_among_20_others(plain, ngra
             outputs.append(alone.output_ids)
     finally:
         ngram.speculator.proposer = saved
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == plain.generate(PROMPTS[1], 30, params).output_ids   # and as without guesses
 
 
 def test_prompt_lookup_cuts_its_guesses_at_the_first_token_the_grammar_forbids(ngram):
