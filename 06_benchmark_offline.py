@@ -18,8 +18,9 @@ request, and summarise latency as mean and p50/p90/p99: the slow tail is what us
 `--workload mixed` is Chapter 9's: 32 requests with the prompt lengths and budgets of
 `data/mixed_workload.json`, each with its own max_new_tokens. An engine whose record says it
 schedules itself (`capabilities()`, an engine loop) gets them all at once; an engine named by
-`--batch` runs static batches that last as long as their largest budget; any other engine runs
-them one by one.
+`--batch` gets them in batches through its `generate_batch`, each batch run to its largest
+budget (Chapter 1's BaselineEngine answers a batch one request after another, Chapter 5's
+engine as one static batch); any other engine runs them one by one.
 `--workload table` is Chapter 13's speed table (kit/suite.py): batch 1, a 489-token prefill,
 batch 32 and the mixed workload, one after another, summed up in one table of tokens/s:
 

@@ -69,3 +69,12 @@ def test_vllm_ratios_wait_for_peers_and_read_its_row(tmp_path):
 def test_fewer_than_three_runs_are_refused():
     with pytest.raises(SystemExit):
         results.main(["--runs", "2"], bench=lambda argv: {})
+
+
+def test_a_capture_stamp_names_the_thread_count_its_command_asks_for():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import capture_outputs
+
+    assert capture_outputs.threads_of(["OMP_NUM_THREADS=2 python 06_benchmark_offline.py"]) == 2
+    assert capture_outputs.threads_of(["python 17_compile.py --threads 1 --glue"]) == 1
+    assert capture_outputs.threads_of(["python 01_setup.py"]) is None   # torch's default, said by the stamp
