@@ -60,7 +60,7 @@ from kit import cli, engine_view
 from kit.adapter_routes import RUNTIME_ROUTES
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 OTHER_ROUTE = "other"        # the metrics' one label for every path no route serves
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")

@@ -50,6 +50,7 @@ class Capture:
     timeout_s: float = 600
     needs: str | None = None    # an optional module the commands import; skipped without it
     peer: bool = False          # runs vLLM beside ours (kit/peers.py); skipped where it is not installed
+    tool: str | None = None     # an outside tool's executable, in a venv of its own; skipped without it
 
     @property
     def script(self) -> str | None:
@@ -80,6 +81,9 @@ CAPTURES = [
         f"curl -s -w '\\n(HTTP %{{http_code}})\\n' {URL}/v1/chat/completions {JSON} "
         """-d '{"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}'""",
     ], server=True),
+    # lm-evaluation-harness, in a venv of its own, scoring evals/' tasks through the server
+    Capture("05_server_lm_eval", ["python scripts/lm_eval_check.py"], timeout_s=3600,
+            tool="/tmp/peers/lm_eval/bin/lm_eval"),
     Capture("06_benchmark_offline", [
         "python 06_benchmark_offline.py --num-prompts 8 --runs 1 --max-new-tokens 16"
         " --plot book/assets/ch1-benchmark-offline.png",
@@ -361,6 +365,9 @@ def main() -> int:
     todo = [c for c in todo if c not in unwritten]
     for c in [c for c in todo if c.needs and importlib.util.find_spec(c.needs) is None]:
         print(f"skipping {c.name}: needs the optional module {c.needs}")
+        todo.remove(c)
+    for c in [c for c in todo if c.tool and not Path(c.tool).exists()]:
+        print(f"skipping {c.name}: needs {c.tool} (scripts/peers/install_lm_eval.sh makes it)")
         todo.remove(c)
     if any(c.peer for c in todo):
         from kit import peers

@@ -55,6 +55,16 @@ def test_library_prompt_logprobs_equal_hf_under_chunks_and_prefix_caching(engine
         hf_logprobs(batch[1].prompt_token_ids), abs=TOL)
 
 
+def test_speculative_decoding_scores_the_same(tiny_model_dir, hf_logprobs):
+    with LLM(str(tiny_model_dir), device="cpu", kv_memory="8MB", speculative="ngram",
+             max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        plain = llm.generate(PROMPT, SamplingParams(max_tokens=6))
+        scored = llm.generate(PROMPT, SamplingParams(max_tokens=6, prompt_logprobs=1))
+    assert scored.output_ids == plain.output_ids
+    assert [e.logprob for e in scored.prompt_logprobs[1:]] == pytest.approx(hf_logprobs(scored.prompt_token_ids),
+                                                                            abs=TOL)
+
+
 def test_library_refuses_bad_prompt_logprobs():
     for bad in (-1, 21, "2", 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):

@@ -4,12 +4,11 @@ unknown fields)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 
 from conftest import load_script
+from kit import responses_api
 from minivllm import LLM
 
 openai = pytest.importorskip("openai")
@@ -58,15 +57,17 @@ def test_streamed_events_add_up_to_the_answer(client):
     assert final.response.usage.output_tokens == plain.usage.output_tokens
 
 
-def test_json_schema_format(client):
-    sdk, _ = client
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    response = sdk.responses.create(input="Is water wet? Answer in JSON.", max_output_tokens=24,
-                                    text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
-                                                     "strict": True}})
-    if response.status == "completed":
-        assert isinstance(json.loads(response.output_text)["ok"], bool)
+def test_json_schema_format_becomes_chats_response_format():
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    req = responses_api.ResponsesRequest.model_validate(
+        {"input": "Is water wet?", "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                                                      "strict": True}}})
+    chat = responses_api.chat_request(req)
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == schema
+    assert chat.response_format.json_schema.name == "answer" and chat.messages[0].content == "Is water wet?"
+    plain = responses_api.chat_request(responses_api.ResponsesRequest.model_validate(
+        {"input": "Hi", "text": {"format": {"type": "text"}}}))
+    assert plain.response_format is None
 
 
 def test_refusals_say_why(client):
