@@ -18,6 +18,7 @@ import textwrap
 import time
 
 import httpx
+from fastapi.testclient import TestClient
 import pytest
 import torch
 
@@ -187,11 +188,11 @@ def test_a_killed_worker_ends_the_server_and_leaves_nobody_behind(tiny_model_dir
     out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        assert launcher.wait_until_healthy(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", proc, 60)
+        assert launcher.wait_until_healthy(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", proc, 180)
         out.seek(0)
         worker = int(re.search(r"worker pids \[(\d+)\]", out.read()).group(1))
         os.kill(worker, signal.SIGKILL)
-        assert proc.wait(timeout=20) == 1
+        assert proc.wait(timeout=10) == 1   # within 10 s of the kill, non-zero: a supervisor restarts it
         err.seek(0)
         last = err.read().strip().splitlines()[-1]
         assert f"tensor-parallel worker tp-rank-1 (pid {worker}) exited with code -9" in last, last
@@ -251,6 +252,9 @@ def test_a_step_that_finds_the_group_gone_refuses_every_later_request(tiny_model
             engine.generate("Hello", 4)
         with pytest.raises(EngineUnavailable):
             engine.submit("Hello again", 4)
+        with TestClient(server.make_app(engine)) as client:   # a supervisor's probe sees it
+            health = client.get("/health")
+        assert health.status_code == 503 and "unavailable" in health.json()["error"]["message"], health.text
     finally:
         engine.close()
 
