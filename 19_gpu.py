@@ -212,7 +212,7 @@ def ours_seconds(llm, prompts: list[list[int]], budgets: list[int]) -> float:
     return seconds[-1]
 
 
-def check_speed(folder, device, dtype, pool: dict) -> None:
+def check_speed(model: str | None, device, dtype, pool: dict) -> None:
     """Output tokens/s of three workloads, ours (graphs where there is CUDA) beside HF with a static
     cache on the same device and dtype: batch 1, batch 32 (one prompt length), and mixed 32 (ragged
     prompts and outputs, so that prefill chunks share steps with decode rows). On the CPU a dry run
@@ -225,15 +225,15 @@ def check_speed(folder, device, dtype, pool: dict) -> None:
     outputs = torch.randint(new // 4, new + 1, (rows,), generator=g).tolist()
     workloads = {"batch 1": ([ids(prompt)], [new]), f"batch {rows}": ([ids(prompt) for _ in range(rows)], [new] * rows),
                  f"mixed {rows}": ([ids(n) for n in lengths], outputs)}
-    llm = LLM(str(folder), device=str(device), dtype=str(dtype).removeprefix("torch."), max_num_seqs=rows,
+    llm = LLM(model, device=str(device), dtype=str(dtype).removeprefix("torch."), max_num_seqs=rows,
               max_num_batched_tokens=max(512, prompt * 4), **pool)
     try:
         ours = {name: sum(b) / ours_seconds(llm, p, b) for name, (p, b) in workloads.items()}
     finally:
         llm.close()
     from minivllm.model_files import load_hf_model
-    tokenizer, model = load_hf_model(str(folder), device, dtype)
-    hf = {name: sum(b) / hf_static_seconds(tokenizer, model, p, max(b)) for name, (p, b) in workloads.items()}
+    tokenizer, hf_model = load_hf_model(model, device, dtype)
+    hf = {name: sum(b) / hf_static_seconds(tokenizer, hf_model, p, max(b)) for name, (p, b) in workloads.items()}
     print(f"\n[speed]  output tokens/s, {device}, {dtype}{'' if cuda else ' (a dry run: 4 rows, a few tokens)'}")
     print(f"  {'workload':<10} {'ours':>9} {'HF static':>10} {'ratio':>6}")
     for name in workloads:
@@ -242,9 +242,11 @@ def check_speed(folder, device, dtype, pool: dict) -> None:
 
 
 # --8<-- [start:check]
-def run_checks(folder, device) -> bool:
+def run_checks(folder, device, model: str | None) -> bool:
     """`--check`: what must hold before any GPU timing means anything. On the CPU it is a dry
-    run of the same steps (graphs take their padded path uncaptured, Triton interprets)."""
+    run of the same steps (graphs take their padded path uncaptured, Triton interprets). `model`
+    is the name the engines load, as given on the command line (None: the default), `folder`
+    where it lies."""
     config = ModelConfig.from_folder(folder)
     dtypes = (torch.float32, torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32,)
     results = [(f"kernel vs gather + SDPA, {dtype}",
@@ -257,7 +259,7 @@ def run_checks(folder, device) -> bool:
     pool = {} if device.type == "cuda" else {"kv_memory": 16 << 20}
 
     def tokens(**options) -> tuple[list, list]:
-        llm = LLM(str(folder), device=str(device), dtype="float32", **pool, **options)
+        llm = LLM(model, device=str(device), dtype="float32", **pool, **options)
         try:
             batch = [r.output_ids for r in llm.generate_batch(prompts, 12, greedy)]
             return batch, [llm.generate(p, 12, greedy).output_ids for p in prompts]
@@ -287,7 +289,7 @@ def run_checks(folder, device) -> bool:
     for name, ok in results:
         print(f"  {'ok  ' if ok else 'FAIL'}  {name}")
     if all(ok for _, ok in results):             # a timing means something only once all of it holds
-        check_speed(folder, device, torch.bfloat16 if device.type == "cuda" else torch.float32, pool)
+        check_speed(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, pool)
     return all(ok for _, ok in results)
 # --8<-- [end:check]
 
@@ -306,7 +308,7 @@ def main() -> None:
     if device.type != "cuda":   # Triton runs its kernels on the CPU only through its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.check:
-        sys.exit(0 if run_checks(resolve_model(args.model), device) else 1)
+        sys.exit(0 if run_checks(resolve_model(args.model), device, args.model) else 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = resolve_model(args.model)
     model = load_model(folder, dtype, device)

@@ -131,7 +131,7 @@ class CUDAGraphRunner(ModelRunner):
         host[1, :n] = starts
         host[2, :n] = [t[s // bs] * bs + s % bs for t, s in zip(places, starts)]
         host[:, n:size] = [[0], [0], [scratch * bs]]
-        self.inputs[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        self.inputs.copy_(self.staging, non_blocking=True)   # whole, contiguous: rows past size go unread
         self.static.context_lens[:size].copy_(self.inputs[1, :size] + 1)
         self.write_tables(places, size)
         if self.copied is not None:

@@ -233,7 +233,7 @@ def test_the_gpu_check_runs_as_a_dry_run_on_the_cpu(tiny_model_dir, capsys, monk
     from minivllm import llm
     monkeypatch.setattr(llm, "load_tokenizer", functools.cache(llm.load_tokenizer))
     gpu19 = load_script("19_gpu")
-    assert gpu19.run_checks(tiny_model_dir, torch.device("cpu"))
+    assert gpu19.run_checks(tiny_model_dir, torch.device("cpu"), str(tiny_model_dir))
     out = capsys.readouterr().out
     assert out.count("  ok  ") == 5 and "FAIL" not in out
     assert "[speed]" in out and all(w in out for w in ("batch 1 ", "batch 4 ", "mixed 4 "))
