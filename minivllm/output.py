@@ -298,5 +298,8 @@ class OutputProcessor:
                               finish_reason=r.finish_reason or "length", prompt=r.prompt,
                               prompt_token_ids=list(r.prompt_ids), stop_reason=stop_reason(r),
                               logprobs=None if r.logprobs is None else list(r.logprobs[:logprob_tokens(r)]),
-                              prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs))
+                              # whole, or None where the engine's runner does not score prompts
+                              # (EngineCapabilities.scores_prompts)
+                              prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None
+                              and len(r.prompt_logprobs) == r.n_prompt else None)
     # --8<-- [end:metrics]

@@ -41,6 +41,8 @@ def scores(r: Request, start: int, n: int) -> bool:
 def logit_rows(requests: list[Request], starts: list[int], lengths: list[int]) -> list[int] | None:
     """How many rows of logits each request needs this step: its whole chunk where it scores prompt
     tokens in it, else 1 (its last position). None when nobody scores: the model's own default."""
+    if all(r.prompt_logprobs is None for r in requests):   # the usual step: one look at each request
+        return None
     rows = [n if scores(r, s, n) else 1 for r, s, n in zip(requests, starts, lengths)]
     return rows if any(scores(r, s, n) for r, s, n in zip(requests, starts, lengths)) else None
 # --8<-- [end:rows]
