@@ -159,7 +159,7 @@ def sweep(engine: StaticBatchEngine, sizes: list[int], new_tokens: int, repeats:
             "tpot_ms": median([sum(r.metrics.tpot_ms or 0.0 for r in x[True]["results"]) / size for x in rounds]),
             "prefill_padding": prefill_pad, "decode_padding": decode_pad,
         })
-        print_row(table[-1])
+        (bar.print if bar else print)(row_text(table[-1]))   # through the bar: never over its line
     return table
 # --8<-- [end:sweep]
 
@@ -168,11 +168,11 @@ HEADER = (f"{'batch':>5} {'tok/s':>8} {'seq tok/s':>9} {'ratio':>6} {'(range)':>
           f"{'seq lat s':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'pad prefill':>11} {'pad decode':>10}")
 
 
-def print_row(r: dict) -> None:
+def row_text(r: dict) -> str:
     spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
-    print(f"{r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['baseline_tokens_per_s']:>9.1f} {r['ratio']:>6.2f} "
+    return (f"{r['batch']:>5} {r['tokens_per_s']:>8.1f} {r['baseline_tokens_per_s']:>9.1f} {r['ratio']:>6.2f} "
           f"{spread:>11} {r['latency_s']:>9.2f} {r['baseline_latency_s']:>9.2f} {r['ttft_ms']:>8.0f} "
-          f"{r['tpot_ms']:>8.1f} {r['prefill_padding']:>11.0%} {r['decode_padding']:>10.0%}", flush=True)
+          f"{r['tpot_ms']:>8.1f} {r['prefill_padding']:>11.0%} {r['decode_padding']:>10.0%}")
 
 
 def plot(table: list[dict], path: str) -> None:

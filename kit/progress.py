@@ -72,6 +72,15 @@ class Progress:
                 return
             print(self.line(self.note if note is None else note), file=self.stream or sys.stderr, flush=True)
 
+    def print(self, text: str) -> None:
+        """A result line on stdout while the bar runs: tqdm lifts its bar off the line first and
+        draws it again below, so no row is printed over the bar."""
+        with self.lock:
+            if self.bar is not None:
+                self.bar.write(text, file=sys.stdout)
+            else:
+                print(text, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

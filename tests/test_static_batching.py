@@ -156,3 +156,16 @@ def test_sweep_alternates_rounds_and_reports_the_spread(batch_mod, tiny_batch, c
         assert row["repeats"] == 2 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["tokens_per_s"] > 0 and row["baseline_latency_s"] > 0 and "results" not in row
     assert len(capsys.readouterr().out.strip().splitlines()) == 2   # one printed row per size
+
+
+def test_the_sweeps_rows_go_through_the_progress_bar_never_over_it(batch_mod, tiny_batch, capsys, monkeypatch):
+    """On a terminal tqdm redraws its line in place: a row printed beside it lands on that line.
+    The sweep hands each row to the bar, which lifts itself off the line first (tqdm.write)."""
+    progress = __import__("kit.progress", fromlist=["Progress"])
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)
+    written = []
+    monkeypatch.setattr("tqdm.tqdm.write", classmethod(lambda cls, text, file=None: written.append(text)))
+    with progress.Progress(2, "requests", "sweep") as bar:
+        table = batch_mod.sweep(tiny_batch, [1], 2, repeats=1, bar=bar)
+    assert written == [batch_mod.row_text(table[0])]
+    assert batch_mod.row_text(table[0]) not in capsys.readouterr().out   # not printed beside the bar
