@@ -43,11 +43,11 @@ class Collectives:
         self.count[kind] += 1
         self.bytes[kind] += nbytes
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x becomes the sum of all ranks' x (in place)."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Every rank's x becomes the sum (or, with op="max", the largest) of all ranks' x (in place)."""
         if self.size > 1:
             with self.timed("all_reduce", x.numel() * x.element_size()):
-                dist.all_reduce(x)
+                dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,11 @@ class RowParallel:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(matmul(self.wrapped, x))
 
+    def row_max(self, amax: torch.Tensor) -> torch.Tensor:
+        """Each output row's largest |w| over every rank's slice, from this rank's own: a format
+        that scales by rows (int8) then picks the scale one process picks, not its slice's."""
+        return self.comm.all_reduce(amax.clone(), op="max")
+
 
 class Shard:
     """Tensor parallelism's step of `load_model` (Chapter 6): this rank's share of the model.

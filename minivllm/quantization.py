@@ -22,11 +22,14 @@ KERNEL_DTYPE = torch.bfloat16           # the activations the packed kernels rea
 
 
 # --8<-- [start:int8]
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, row_max=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric, one scale per output channel: w[n, k] ~ q[n, k] * scale[n], q in -127..127
-    (an int8 also holds -128, left unused so that +w and -w get codes of the same size)."""
+    (an int8 also holds -128, left unused so that +w and -w get codes of the same size).
+    `row_max`, for a slice of a row split over processes (Chapter 14), turns the slice's
+    largest |w| into the whole row's, so that each slice gets the codes one process gives it."""
     w = w.float().contiguous()   # row-major codes, as the packed kernel reads them, whatever w's layout
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127   # the row's largest |w| becomes 127
+    amax = w.abs().amax(dim=1)
+    scale = (amax if row_max is None else row_max(amax)).clamp(min=1e-12) / 127   # the row's largest |w| becomes 127
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -105,9 +108,9 @@ class HalfWeight(QuantizedWeight):
 class Int8Weight(QuantizedWeight):
     """Per-channel int8. Fast path: _weight_int8pack_mm (int8 weights, bf16 activations)."""
 
-    def __init__(self, w: torch.Tensor, path: str = "fast"):
+    def __init__(self, w: torch.Tensor, path: str = "fast", row_max=None):
         super().__init__(w, path)
-        self.q, self.scale = quantize_int8(w)
+        self.q, self.scale = quantize_int8(w, row_max)
         self.kernel_scale = self.scale.to(KERNEL_DTYPE)
 
     def tensors(self): return [self.q, self.scale] + ([self.kernel_scale] if self.path == "fast" else [])
@@ -143,8 +146,8 @@ class W8A8Weight(Int8Weight):
     lose precision as well, which costs more than the weights' rounding (the model-wide table
     measures it)."""
 
-    def __init__(self, w: torch.Tensor, path: str = "fast"):
-        super().__init__(w, path)
+    def __init__(self, w: torch.Tensor, path: str = "fast", row_max=None):
+        super().__init__(w, path, row_max)
         self.q_t = self.q.T.contiguous()    # [in, out]: the layout torch._int_mm reads fastest
         self.q = self.q_t.T                 # rows for a lookup, as a view: one copy of the codes
 
@@ -232,11 +235,12 @@ def head_format(quant: str, head: str) -> str:
     return head
 
 
-def quantize_weight(w: torch.Tensor, quant: str, group_size: int, path: str):
+def quantize_weight(w: torch.Tensor, quant: str, group_size: int, path: str, row_max=None):
+    """`row_max`: see quantize_int8 (int4's groups lie within a slice, and need none)."""
     if quant == "int8":
-        return Int8Weight(w, path)
+        return Int8Weight(w, path, row_max)
     if quant == "w8a8":
-        return W8A8Weight(w, path)
+        return W8A8Weight(w, path, row_max)
     if quant == "int4":
         return Int4Weight(w, group_size, path)
     return HalfWeight(w, {"bf16": torch.bfloat16, "fp16": torch.float16}[quant], path)
@@ -251,7 +255,9 @@ def quantize(model: LlamaModel, quant: str, group_size: int = 64, head: str = "a
     by default the layers' own, except that int4 layers get an int8 head, since the head's
     errors land on the logits directly. An int4 head keeps a separate int8 table for the
     embedding, which needs rows it can look up: int8 has them, packed int4 has not. The swap
-    reaches inside wrappers (a tensor-parallel shard, Chapter 14): each rank quantises its own.
+    reaches inside wrappers (a tensor-parallel shard, Chapter 14): each rank quantises its own,
+    and a wrapper that holds a slice of each row (`row_max`) has the row's scale chosen over
+    every slice: otherwise each rank's codes differ from one process's, and so do the tokens.
     """
     check_settings(quant, group_size, head)
     head = head_format(quant, head)
@@ -260,7 +266,7 @@ def quantize(model: LlamaModel, quant: str, group_size: int = 64, head: str = "a
 
     def layer_format(name: str, w: torch.Tensor):
         try:
-            return quantize_weight(w, quant, group_size, path)
+            return quantize_weight(w, quant, group_size, path, getattr(model.w[name], "row_max", None))
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
 
