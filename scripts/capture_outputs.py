@@ -241,6 +241,8 @@ CAPTURES = [
             timeout_s=900),
     Capture("18_tensor_parallel_n1", ["python 18_tensor_parallel.py --max-new-tokens 32 --threads 1"], timeout_s=900),
     Capture("check_stacking", ["python scripts/check_stacking.py --tokens 32"], timeout_s=1800),
+    Capture("quant_agreement", ["python scripts/quant_agreement.py --formats int8 int4 w8a8 --options tp3 "
+                                "prefix-ngram-compile"], timeout_s=2400),
     Capture("19_gpu", ["python 19_gpu.py --threads 1"], needs="triton"),
     Capture("19_gpu_check", ["python 19_gpu.py --check --threads 1"], timeout_s=1800, needs="triton"),
     Capture("21_adapters", ["python 21_adapters.py --steps 32 --measure"], timeout_s=1800),
