@@ -112,6 +112,12 @@ class TensorParallelRunner(ModelRunner):
                                **comm.count, **{f"{k}_bytes": v for k, v in comm.bytes.items()}})
             return logits
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Every rank copies its share of the blocks (Chapter 16's copy-on-write)."""
+        with self.lock:
+            self.comm.broadcast(("copy", copies))
+            self.kv.copy_blocks(copies)
+
     def warm_up(self) -> float:
         """Every rank warms up together: a compiled model's warm-up steps run collectives."""
         with self.lock:
