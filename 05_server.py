@@ -60,7 +60,7 @@ from kit import structured_api      # Chapter 11: response_format, guided_*, too
 from kit.bridge import all_or_nothing, in_thread, run_ahead, until_disconnected   # blocking engine, asyncio server
 from kit.engines import DEFAULT_ENGINE, load_engine
 from kit.openai_api import APIError, ChatRequest, CompletionRequest, from_engine_error, sse
-from minivllm.contracts import BaseOfflineEngine, SamplingParams
+from minivllm.contracts import BaseOfflineEngine, SamplingParams, piece_index
 from minivllm.text import render_chat
 
 DEFAULT_MAX_TOKENS = 128
@@ -123,6 +123,8 @@ class OpenAIServer:
         jobs = await run_in_threadpool(prepare_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
+            if tools and params.n > 1:
+                raise APIError(400, "a stream that may call tools takes n = 1", param="n")
             return await self.stream(jobs[0], params, req, request, rid, created, tools)
         [result] = await until_disconnected(request, self.generate(jobs, params))   # a hang-up stops it
         answer = api.chat_completion(rid, created, self.model_name, result, self.engine.tokenizer, tools)
@@ -200,6 +202,7 @@ class OpenAIServer:
             raise APIError(400, f"{field} is {requested}, but this model's maximum context "
                                 f"length is {self.context_length} tokens.", param=field)
         api.check_engine_sampling(params, self.can.vllm_sampling)
+        api.check_engine_answers(params, self.can.parallel_sampling)
         try:
             ids = [p if isinstance(p, list) else self.engine.tokenizer(p).input_ids for p in prompts]
             server_ops.prompt_read(sum(map(len, ids)))   # an answer cut short still counts its prompt
@@ -236,7 +239,7 @@ class OpenAIServer:
         While the block is open the request holds its turn at the engine (the FIFO lock, or its
         seats in the batching engine's scheduler); leaving it early, a hang-up included, frees the work.
         """
-        async with self.admission.turn(len(jobs)):
+        async with self.admission.turn(len(jobs) * params.num_sequences):   # n answers hold n seats
             if self.batching:   # in one go, so that they join the same step; no await since admission
                 streams = self.engine.submit_all(jobs)
             else:
@@ -301,9 +304,13 @@ class OpenAIServer:
     # --8<-- [start:stream]
     async def stream(self, job, params: SamplingParams, req: ChatRequest | CompletionRequest, request: Request,
                      rid: str, created: int, tools: bool = False) -> StreamingResponse:
-        chat = isinstance(req, ChatRequest)
-        chunk = api.chunk_maker("chat.completion.chunk" if chat else "text_completion", rid, created, chat,
-                                self.engine.tokenizer, self.model_name)
+        chat, makers = isinstance(req, ChatRequest), {}
+
+        def chunk(index: int = 0) -> Callable[..., dict]:   # each answer's own chunks (n > 1: Chapter 16)
+            if index not in makers:
+                makers[index] = api.chunk_maker("chat.completion.chunk" if chat else "text_completion", rid,
+                                                created, chat, self.engine.tokenizer, self.model_name, index)
+            return makers[index]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = self.events(job, params, chunk, chat, include_usage, structured_api.HoldBack() if tools else None)
         # Waits for the engine's turn and the first token (4xx if refused); a hang-up meanwhile cancels it.
@@ -317,7 +324,7 @@ class OpenAIServer:
         # aclose() runs the clean-up of `answers` even if the client left before the body was read.
         return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(events.aclose))
 
-    async def events(self, job, params: SamplingParams, chunk: Callable[..., dict], chat: bool,
+    async def events(self, job, params: SamplingParams, chunk: Callable[[int], Callable[..., dict]], chat: bool,
                      include_usage: bool, hold: structured_api.HoldBack | None = None) -> AsyncIterator[str]:
         """Server-sent events: text as the engine produces it, holding the request's turn for the whole stream.
         hold: the request offered tools, so text that may be a call waits until the end."""
@@ -327,13 +334,14 @@ class OpenAIServer:
             except Exception as exc:
                 raise from_engine_error(exc) from exc
             if chat:
-                yield sse(chunk({"role": "assistant", "content": ""}))
+                for i in range(params.n):
+                    yield sse(chunk(i)({"role": "assistant", "content": ""}))
             try:
                 while isinstance(item, str):
                     server_ops.piece_sent()
                     piece = hold.feed(item) if hold else item
                     if piece or not hold:
-                        yield sse(chunk({"content": piece} if chat else piece))
+                        yield sse(chunk(piece_index(item))({"content": piece} if chat else piece))
                     item = await anext(produced, None)
                 if item is None:
                     raise RuntimeError("the engine's stream ended without a GenerateResult")
@@ -349,17 +357,19 @@ class OpenAIServer:
                 call = structured_api.parse_tool_call(hold.text)
                 if call:
                     fn = call[1]["function"]
-                    yield sse(chunk({"tool_calls": [{"index": 0, "id": call[1]["id"], "type": "function",
-                                                     "function": {"name": fn["name"], "arguments": ""}}]}))
-                    yield sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": fn["arguments"]}}]}))
+                    yield sse(chunk()({"tool_calls": [{"index": 0, "id": call[1]["id"], "type": "function",
+                                                       "function": {"name": fn["name"], "arguments": ""}}]}))
+                    yield sse(chunk()({"tool_calls": [{"index": 0, "function": {"arguments": fn["arguments"]}}]}))
                     finish = "tool_calls"
                 elif rest := hold.rest(cut_short=finish == "length"):
-                    yield sse(chunk({"content": rest}))
-            final = chunk({} if chat else "", finish, result=item)
-            final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply
-            yield sse(final)
+                    yield sse(chunk()({"content": rest}))
+            for i, answer in enumerate(item.outputs):   # each answer's last chunk: its finish_reason
+                final = chunk(i)({} if chat else "", finish if i == 0 else answer.finish_reason, result=answer)
+                if i == len(item.outputs) - 1:
+                    final["metrics"] = item.metrics.as_dict()   # non-standard, like the non-streamed reply
+                yield sse(final)
             if include_usage:
-                yield sse({**chunk({}), "choices": [], "usage": api.usage([item])})
+                yield sse({**chunk()({}), "choices": [], "usage": api.usage([item])})
             yield sse("[DONE]")
     # --8<-- [end:stream]
 

@@ -100,7 +100,7 @@ class StreamOptions(_Strict):
 # store, ...) are accepted, so that standard clients work.
 UNSUPPORTED = {
     "functions": None, "function_call": None,
-    "best_of": (None, 1), "suffix": None, "audio": None, "modalities": None,
+    "suffix": None, "audio": None, "modalities": None,
     "prediction": None, "web_search_options": None, "reasoning_effort": None, "verbosity": None,
     # vLLM's sampling, output and prompt extensions
     "typical_p": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
@@ -216,7 +216,8 @@ class SamplingFields(_Strict):
     top_k: int = field_for("top_k")           # vLLM extension; 0 = off
     seed: int | None = field_for("seed")
     stop: str | list[str] | None = None       # its sizes are SamplingParams' to check
-    n: int = Field(1, ge=1, le=1)             # one choice per prompt: no parallel sampling here
+    n: int = field_for("n")                   # answers per prompt (Chapter 16: on the prompt's shared blocks)
+    best_of: int | None = field_for("best_of")   # OpenAI's legacy completions (vLLM's chat too): n likeliest
     ignore_eos: bool = False                  # vLLM extension, for benchmarks
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -402,8 +403,11 @@ def sampling_params(req: SamplingFields, params_class: type, cache_salt=lambda s
         structured, field = structured_api.requested_constraint(req)
     except structured_api.FieldError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
+    best_of = req.best_of
+    if req.stream and best_of is not None and best_of > 1:   # OpenAI's rule: the best is known only at the end
+        raise APIError(400, "best_of cannot be used with stream", param="best_of")
     try:
-        params = params_class(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        params = params_class(n=req.n, best_of=best_of, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                               min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or (),
                               seed=req.seed, stop=() if req.stop is None else req.stop, ignore_eos=req.ignore_eos,
                               logit_bias=bias, logprobs=logprobs, structured=structured, cache_salt=cache_salt(req.cache_salt),
@@ -563,6 +567,14 @@ def check_engine_sampling(params, honours_vllm_sampling: bool) -> None:
                             f"minivllm:LLM, has it)", param=asked[0])
 
 
+def check_engine_answers(params, parallel_sampling: bool) -> None:
+    """n and best_of above 1, refused for an engine that gives one answer per prompt (Chapter 16)."""
+    if params.num_sequences > 1 and not parallel_sampling:
+        raise APIError(400, f"n = {params.num_sequences} answers per prompt is not supported by this engine "
+                            f"(the assembled engine, minivllm:LLM, has it)",
+                       param="best_of" if params.best_of and params.best_of > params.n else "n")
+
+
 def chat_ids(tokenizer, messages: list[dict], render=None) -> list[int]:
     """The conversation's ids, each message's text read as text (minivllm/text.py); a template
     that rewrites message text is a 400 that says where to send the prompt instead."""
@@ -592,21 +604,26 @@ def usage(results) -> dict:
     return out
 
 
-def chat_completion(rid: str, created: int, model_name: str, result, tokenizer, tools: bool = False) -> dict:
-    """A chat answer; `metrics` (the engine's own measurements) is an extension of OpenAI's shape.
-    tools: the request offered functions, so a call in the reply becomes `tool_calls`."""
-    message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
-    call = structured_api.parse_tool_call(result.text) if tools else None
+def chat_choice(index: int, answer, tokenizer, tools: bool) -> dict:
+    """One answer (a CompletionOutput) as a chat choice. tools: a call in it becomes `tool_calls`."""
+    message, finish = {"role": "assistant", "content": answer.text}, answer.finish_reason
+    call = structured_api.parse_tool_call(answer.text) if tools else None
     if call:
         message, finish = {"role": "assistant", "content": call[0], "tool_calls": [call[1]]}, "tool_calls"
     elif tools:   # a call cut short by max_tokens or a stop string: its finish_reason says why
-        kept = structured_api.without_unfinished_call(result.text, cut_short=finish == "length")
+        kept = structured_api.without_unfinished_call(answer.text, cut_short=finish == "length")
         message["content"] = kept.strip() or None
+    return {"index": index, "message": message,
+            "logprobs": None if answer.logprobs is None else chat_logprobs(tokenizer, answer.logprobs),
+            "finish_reason": finish}
+
+
+def chat_completion(rid: str, created: int, model_name: str, result, tokenizer, tools: bool = False) -> dict:
+    """A chat answer, a choice per answer the request asked for (n); `metrics` (the engine's own
+    measurements) is an extension of OpenAI's shape. tools: the request offered functions."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs),
-                     "finish_reason": finish}],
+        "choices": [chat_choice(i, answer, tokenizer, tools) for i, answer in enumerate(result.outputs)],
         "usage": usage([result]),
         "metrics": result.metrics.as_dict(),
     }
@@ -614,16 +631,18 @@ def chat_completion(rid: str, created: int, model_name: str, result, tokenizer, 
 
 def text_completion(rid: str, created: int, model_name: str, results: list, tokenizer, single: bool,
                     req: CompletionRequest | None = None, prompts: list | None = None) -> dict:
-    """A completions answer: one choice per prompt; `metrics` is one dict for a single prompt, else a list.
-    req and prompts: a request that scores its prompts (echo, prompt_logprobs: kit/scoring_api.py)."""
+    """A completions answer: n choices per prompt, prompt by prompt (OpenAI's order); `metrics` is one
+    dict for a single prompt, else a list. req and prompts: a request that scores its prompts (echo,
+    prompt_logprobs, max_tokens 0: kit/scoring_api.py)."""
     metrics = [r.metrics.as_dict() for r in results]
-    choices = [{"index": i, "text": r.text,
-                "logprobs": None if r.logprobs is None else completion_logprobs(tokenizer, r.logprobs),
-                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
+    answers = [(a, r, p) for r, p in zip(results, prompts or [None] * len(results)) for a in r.outputs]
+    choices = [{"index": i, "text": a.text,
+                "logprobs": None if a.logprobs is None else completion_logprobs(tokenizer, a.logprobs),
+                "finish_reason": a.finish_reason} for i, (a, _, _) in enumerate(answers)]
     counted = usage(results)
     if req is not None and (req.echo or req.prompt_logprobs is not None or req.max_tokens == 0):
         choices = [scoring_api.echoed(c, r, p, tokenizer, req.max_tokens == 0, req.echo, req.prompt_logprobs is not None,
-                                      _logprob) for c, r, p in zip(choices, results, prompts)]
+                                      _logprob) for c, (_, r, p) in zip(choices, answers)]
         if req.max_tokens == 0:   # the token that ran the prefill is not an answer
             counted.update(completion_tokens=0, total_tokens=counted["prompt_tokens"])
     return {
@@ -632,8 +651,10 @@ def text_completion(rid: str, created: int, model_name: str, results: list, toke
     }
 
 
-def chunk_maker(kind: str, rid: str, created: int, chat: bool, tokenizer, model_name: str) -> Callable[..., dict]:
-    """One streamed answer's chunks. It remembers what it sent, so that each log-probability goes out once."""
+def chunk_maker(kind: str, rid: str, created: int, chat: bool, tokenizer, model_name: str,
+                index: int = 0) -> Callable[..., dict]:
+    """One streamed answer's chunks (the request's answer `index`, Chapter 16). It remembers what it
+    sent, so that each log-probability goes out once."""
     sent = {"entries": 0, "chars": 0}   # log-probabilities and text already streamed
 
     def chunk(delta, finish_reason=None, result=None) -> dict:
@@ -649,7 +670,7 @@ def chunk_maker(kind: str, rid: str, created: int, chat: bool, tokenizer, model_
                 completion_logprobs(tokenizer, entries, sent["chars"])
         sent["entries"] += len(entries)
         sent["chars"] += len(text)
-        choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
+        choice = {"index": index, "delta": delta} if chat else {"index": index, "text": delta}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
     return chunk

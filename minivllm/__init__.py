@@ -12,5 +12,6 @@ package loads torch and transformers' tokenizers, never a web framework.
 from minivllm.contracts import BaseOfflineEngine, GenerateResult, RequestMetrics, SamplingParams
 from minivllm.llm import LLM
 from minivllm.lora import LoRARequest
+from minivllm.many_answers import BeamSearchParams
 
-__all__ = ["LLM", "LoRARequest", "BaseOfflineEngine", "GenerateResult", "RequestMetrics", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "BeamSearchParams", "BaseOfflineEngine", "GenerateResult", "RequestMetrics", "SamplingParams"]

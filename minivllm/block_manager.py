@@ -26,6 +26,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.tables: dict[int, list[int]] = {}      # sequence id -> its blocks, in token order
         self.lengths: dict[int, int] = {}           # sequence id -> tokens it holds slots for
+        self.copies: list[tuple[int, int]] = []     # (from, to): blocks whose K/V the next step copies first
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -101,6 +102,37 @@ class BlockManager:
             table.append(self._take())          # PoolFullError leaves the table unchanged
         self.lengths[seq_id] = n + 1
         return table[n // self.block_size] * self.block_size + n % self.block_size
+
+    # --8<-- [start:fork]
+    def fork(self, seq_id: int, child_id: int) -> list[int]:
+        """Chapter 16: a new sequence that holds every block of seq_id, by reference: nothing is
+        copied now. Whichever of them writes into a shared block first gets its own copy (own())."""
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = self.tables[self._known(seq_id)]
+        for block in table:
+            self.ref_counts[block] += 1
+        self.tables[child_id], self.lengths[child_id] = list(table), self.lengths[seq_id]
+        return self.tables[child_id]
+
+    def own(self, seq_id: int, start: int, end: int) -> None:
+        """Copy-on-write: the sequence is about to write its tokens [start, end); each shared block
+        they fall in becomes its own. A block that already holds earlier tokens is copied (the step
+        copies its K/V first: `copies`); the last owner writes in place."""
+        table, bs = self.tables[self._known(seq_id)], self.block_size
+        for i in range(start // bs, self.blocks_for(end)):
+            if self.ref_counts[table[i]] > 1:
+                fresh = self._take()
+                if start > i * bs:                     # tokens before start live there: keep their K/V
+                    self.copies.append((table[i], fresh))
+                self.ref_counts[table[i]] -= 1         # still >= 1: another sequence holds it
+                table[i] = fresh
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies owed before the next forward, handed over once."""
+        copies, self.copies = self.copies, []
+        return copies
+    # --8<-- [end:fork]
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep slots for the first num_tokens tokens only; whole blocks past them go back

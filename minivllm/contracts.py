@@ -29,6 +29,8 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", 
 MAX_STRUCTURED_CHARS = 32_768          # a schema's JSON text, a regex or an EBNF grammar
 MAX_SCHEMA_DEPTH = 16                  # nesting of a schema's objects and lists
 MAX_CHOICES, MAX_CHOICE_CHARS = 64, 256
+# Chapter 16: answers to one prompt. OpenAI caps best_of at 20 (and n at 128 on chat completions).
+MAX_BEST_OF, MAX_N = 20, 128
 # An engine enforces a constraint with a structured-output object it was given when built (Chapter 11).
 NO_STRUCTURED_OUTPUT = ("this engine was built without structured output: pass "
                         "structured_output=minivllm.structured.StructuredOutput() (LLM, the server and the "
@@ -90,6 +92,11 @@ class SamplingParams:
                                        "this many new tokens", low=0, high=1 << 20)
     stop_token_ids: tuple[int, ...] = request_field((), "vLLM's: generation ends at any of these token ids "
                                                         "(kept in token_ids, not in the text)", max_items=64)
+    # Chapter 16: several answers to one prompt, sharing its KV blocks
+    n: int = request_field(1, "answers to return for the prompt, each its own sequence on the prompt's shared blocks",
+                           low=1, high=MAX_N)
+    best_of: int | None = request_field(None, "OpenAI's: generate this many answers, return the n with the "
+                                              "highest mean log-probability per token", low=1, high=MAX_BEST_OF)
     # vLLM's structured-output spellings, read into `structured` (not fields of their own)
     structured_outputs: InitVar[object] = None
     guided_decoding: InitVar[object] = None
@@ -126,6 +133,8 @@ class SamplingParams:
             object.__setattr__(self, "structured", structured_spec(self.structured))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.min_tokens and self.structured is not None:
             raise ValueError("min_tokens does not combine with structured output: the grammar decides where the "
                              "answer may end")
@@ -137,9 +146,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name in ("top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens"):
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n", "best_of"):
             value = getattr(self, name)
-            if (value is not None or name in ("top_k", "min_tokens")) and not is_integer(value):
+            if (value is not None or name in ("top_k", "min_tokens", "n")) and not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
@@ -187,6 +196,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs (Chapter 16): best_of of them, or n; each holds a seat of the batch."""
+        return self.best_of or self.n
 
     def token_budget(self, max_new_tokens: int) -> int:
         """The number of new tokens a request may produce: max_new_tokens, capped by max_tokens."""
@@ -357,10 +371,11 @@ class TextPiece(str):
     """
 
     logprobs: tuple[TokenLogprob, ...]
+    index: int   # which answer it belongs to (Chapter 16: a request for n answers streams them all)
 
-    def __new__(cls, text: str, logprobs=()):
+    def __new__(cls, text: str, logprobs=(), index: int = 0):
         piece = super().__new__(cls, text)
-        piece.logprobs = tuple(logprobs)
+        piece.logprobs, piece.index = tuple(logprobs), index
         return piece
 
 
@@ -368,6 +383,11 @@ def join_pieces(pieces: list[str]) -> str:
     """Several tokens' pieces as one, keeping the log-probabilities they carry."""
     logprobs = [lp for p in pieces for lp in getattr(p, "logprobs", ())]
     return TextPiece("".join(pieces), logprobs) if logprobs else "".join(pieces)
+
+
+def piece_index(piece: str) -> int:
+    """The answer a streamed piece belongs to: 0 unless a request asked for several (Chapter 16)."""
+    return piece.index if isinstance(piece, TextPiece) else 0   # (a plain str's .index is a method)
 # --8<-- [end:logprobs]
 
 
@@ -383,6 +403,11 @@ class CompletionOutput:
     cumulative_logprob: float | None = None     # the sum of logprobs' (None: logprobs not asked for)
     logprobs: list[TokenLogprob] | None = None  # one per token id (vLLM: one dict of alternatives per token)
     stop_reason: str | int | None = None        # the stop string or stop token id that ended it (None: EOS, length)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The book's name for token_ids (GenerateResult's)."""
+        return self.token_ids
 
 
 @dataclass
@@ -446,6 +471,7 @@ class EngineCapabilities:
     serves_adapters: bool = False
     vllm_sampling: bool = False         # it honours SamplingParams' min_p, min_tokens and stop_token_ids
     scores_prompts: bool = False        # it honours SamplingParams.prompt_logprobs (minivllm/prompt_logprobs.py)
+    parallel_sampling: bool = False     # Chapter 16: SamplingParams' n and best_of, several answers per prompt
 
     def __post_init__(self) -> None:
         for name in ("context_length", "max_batch_size", "max_num_seqs", "token_capacity"):

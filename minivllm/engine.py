@@ -43,7 +43,8 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         return super().capabilities().replace(
             model_name=self.model_name, device=str(self.device), context_length=self.context_length,
             streams=True, accepts_token_ids=True, schedules_itself=True, max_num_seqs=self.max_num_seqs,
-            token_capacity=self.token_capacity, vllm_sampling=True, scores_prompts=True)
+            token_capacity=self.token_capacity, vllm_sampling=True, scores_prompts=True,
+            parallel_sampling=self.output.forks)
 
     # --8<-- [start:init]
     def __init__(self, model_name: str, tokenizer, output: OutputProcessor, runner: ModelRunner,
@@ -93,6 +94,9 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         A list of token ids is taken as tokenised already (the server tokenises once)."""
         r = self.output.request_for(prompt, max_new_tokens, params, self.context_length, arrival)
         self.blocks.check_fits(r.n_prompt, r.budget)
+        if r.seats > self.max_num_seqs:   # Chapter 16: n answers run as n sequences of one step
+            raise ValueError(f"n = {r.seats} sequences for one prompt, but a step runs at most "
+                             f"max_num_seqs = {self.max_num_seqs}: lower n (or best_of) or raise max_num_seqs")
         return r
     # --8<-- [end:new-request]
 
@@ -106,6 +110,9 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
             return []
         self.runner.propose(work, self.scheduler.max_num_batched_tokens)   # Chapter 10's guesses, if any
         self.scheduler.add_guesses(work)          # ride in this step, from what the budget has left
+        copies = self.blocks.take_copies()        # Chapter 16: copy-on-write, before anyone writes
+        if copies:
+            self.runner.copy_blocks(copies)
         places = [self.blocks.tables[r.id] for r in work.requests]
         runs = self.runner.run(work.requests, work.starts, work.lengths, places)   # 1 token, or 1 .. k + 1
         events = self.postprocess(work, runs)
@@ -167,8 +174,8 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
         deque are single operations under CPython's GIL, so each number is one consistent reading."""
         return {"kv_blocks_used": self.blocks.num_blocks - self.blocks.num_free,
                 "kv_blocks_free": self.blocks.num_free,
-                "waiting": len(self.scheduler.waiting) + len(self._inbox),
-                "running": len(self.scheduler.running), "preemptions": self.scheduler.num_preemptions,
+                "waiting": sum(r.seats for r in list(self.scheduler.waiting) + list(self._inbox)),   # n answers: n
+                "running": self.scheduler.seats_taken, "preemptions": self.scheduler.num_preemptions,
                 "aborted": self.num_aborted,
                 "batch_sizes": list(self.recent_batches),
                 **({"prefix_cache_hit_rate": round(self.blocks.hit_rate, 4)} if self.prefix_caching else {})}

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterator
 
 from minivllm import threads as cpu_threads
-from minivllm.contracts import GenerateResult, SamplingParams, check_prompts
+from minivllm.contracts import GenerateResult, SamplingParams, TextPiece, check_prompts
 from minivllm.output import Request
 
 
@@ -59,6 +59,11 @@ def _close_started() -> None:
         sys.stderr.write(f"[engine] the engine loop did not stop within {EXIT_JOIN_S:.0f} s; exiting without it\n")
         sys.stderr.flush()
         os._exit(130 if interrupted else 1)
+
+
+def indexed(piece: str, index: int) -> TextPiece:
+    """A streamed piece that says which answer it belongs to (Chapter 16: n answers, one stream)."""
+    return TextPiece(piece, getattr(piece, "logprobs", ()), index)
 
 
 class EngineUnavailable(RuntimeError):
@@ -101,6 +106,8 @@ class EngineLoop:
             raise self.broken
         for r in requests:
             r.sink = queue.SimpleQueue()
+            for m in r.group or ():   # Chapter 16: every answer to one prompt goes to the one reader
+                m.sink = r.sink
         cpu_threads.release_idle_workers()   # the loop thread computes; this thread's idle CPU workers go
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
@@ -141,28 +148,38 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
             for r in inbox:
+                members = r.group or [r]           # Chapter 16: the answers to one prompt enter together
                 try:
-                    self.runner.admit(r)           # what the runner holds for it from here (an adapter)
+                    for m in members:
+                        self.runner.admit(m)       # what the runner holds for it from here (an adapter)
                     self.scheduler.add(r)
-                    self._by_id[r.id] = r
+                    self._by_id.update((m.id, m) for m in members)
                 except ValueError as exc:
-                    self.runner.release(r)
+                    for m in members:
+                        self.runner.release(m)
                     r.sink.put(("error", exc))
             for rid in aborts:
                 if rid in self._by_id:
                     r = self._by_id.pop(rid)
-                    self._leave(r)
+                    for m in r.group or [r]:       # an abort stops every answer to the prompt
+                        self._by_id.pop(m.id, None)
+                        if m.finish_reason is None:
+                            self._leave(m)
                     self.num_aborted += 1
                     r.sink.put(("aborted", None))   # wakes a reader blocked on this request
             if not self.scheduler.has_work():
                 continue
             try:
-                for r, piece in self.step():
+                events = self.step()
+                for r, piece in events:
                     if piece:
-                        r.sink.put(("piece", piece))
-                    if r.finish_reason:
+                        r.sink.put(("piece", piece if r.group is None else indexed(piece, r.choice)))
+                for r, _ in events:                        # after every piece of the step (Chapter 16's n)
+                    lead = (r.group or [r])[0]             # a group's first answer holds its place to the end
+                    if r.finish_reason and r is not lead:
                         self._by_id.pop(r.id, None)
-                        r.sink.put(("done", self.output.result(r)))
+                    if all(m.finish_reason for m in lead.group or [lead]) and self._by_id.pop(lead.id, None):
+                        r.sink.put(("done", self.output.result(lead)))
             except Exception as exc:              # fail what was in flight, never the loop itself
                 if isinstance(exc, EngineUnavailable):   # and refuse what comes next, if nothing can be served
                     self.fail(str(exc))
@@ -173,8 +190,9 @@ class EngineLoop:
         """Every request that was in the failed step, or left it without its reader being told,
         gets the error; requests still waiting hold no KV and keep their place in the queue."""
         waiting = set() if everyone else set(map(id, self.scheduler.waiting))
-        for r in [r for r in self._by_id.values() if id(r) not in waiting]:
-            self._leave(r)
+        for r in [r for r in self._by_id.values() if id((r.group or [r])[0]) not in waiting]:
+            if r.finish_reason is None:           # a group's finished first answer has left already
+                self._leave(r)
             if r.id in self.blocks.tables:        # a step that failed half-way may leave blocks behind
                 self.blocks.free(r.id)
             del self._by_id[r.id]
@@ -301,7 +319,7 @@ class RequestStream:
 
     def close(self) -> None:
         """Abort the request unless it already finished: its blocks are freed at the next step."""
-        if not self.done and self.request.finish_reason is None:
+        if not self.done and any(m.finish_reason is None for m in self.request.group or [self.request]):
             self.engine.abort(self.request.id)
 
     cancel = close

@@ -77,6 +77,13 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Chapter 16's copy-on-write: block `to` gets block `from`'s keys and values, every layer."""
+        src, dst = (torch.tensor(ids, device=self.k[0].device) for ids in zip(*copies))
+        for flat in self.k + self.v:
+            pages = flat.view(self.num_blocks, -1)
+            pages[dst] = pages[src]
+
     def batch(self, new_tokens: list[list[int]], tables: list[list[int]], starts: list[int], device) -> PagedBatch:
         """The batch of these new tokens, sequence i's K/V in the blocks of tables[i] (the model runner asks)."""
         return PagedBatch.from_tables(new_tokens, tables, starts, self.block_size, device)

@@ -38,11 +38,12 @@ from minivllm.engine_loop import close_at_exit
 from minivllm.gpu_memory import kv_memory_left, step_headroom
 from minivllm.kv_cache import KVPool, blocks_in, describe_pool
 from minivllm.lora import LoRA, LoRARequest
+from minivllm.many_answers import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, ManyAnswersOutput, beam_search
 from minivllm.model import ModelConfig
 from minivllm.model_files import (DEFAULT_MODEL, eos_token_ids, load_tokenizer, model_folder, pick_device,
                                   pick_dtype)
 from minivllm.model_runner import ModelRunner, load_model
-from minivllm.output import OutputProcessor, Request
+from minivllm.output import Request
 from minivllm.parallel import rank_config
 from minivllm.parallel_workers import TensorParallel, TensorParallelRunner
 from minivllm.prefix_cache import PrefixCachingBlockManager
@@ -180,7 +181,7 @@ class LLM(LLMEngine):
             usable, self.config.block_size)
         scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                               self.config.max_loras if self.lora else None)
-        output = OutputProcessor(tokenizer, eos_token_ids(self.folder, tokenizer), runner.model.config.vocab_size,
+        output = ManyAnswersOutput(tokenizer, eos_token_ids(self.folder, tokenizer), runner.model.config.vocab_size,
                                  device, StructuredOutput() if structured_output is None else structured_output)
         if isinstance(runner, TensorParallelRunner) and runner.group:   # a dead worker fails this engine's
             runner.group.on_failure = self.fail                             # requests, then the process
@@ -274,8 +275,9 @@ class LLM(LLMEngine):
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.add(lora_request) if lora_request is not None else None   # read once, checked
         r = super().new_request(prompt_input(prompt), max_new_tokens, params, arrival)
-        if adapter is not None:
-            r.adapter = adapter         # held from when it enters the loop to when it leaves (LoRARunner)
+        if adapter is not None:         # held from when it enters the loop to when it leaves (LoRARunner)
+            for m in r.group or [r]:
+                m.adapter = adapter
         return r
 
     def generate(self, prompt, max_new_tokens: int | SamplingParams | list | None = None,
@@ -311,6 +313,26 @@ class LLM(LLMEngine):
     def generate_stream(self, prompt, max_new_tokens: int | None = None,
                         params: SamplingParams | None = None, lora_request=None) -> Iterator[str | GenerateResult]:
         yield from self.submit_all([self.new_request(prompt, max_new_tokens, params, None, lora_request)])[0]
+
+    def beam_search(self, prompts: list, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (Chapter 16): one BeamSearchOutput per prompt, its sequences best first.
+        Each step runs every live beam as a sequence of one engine step; with prefix caching the beams
+        share their common blocks, and a pruned beam's blocks go back to the pool."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+
+        def step(sequences: list[list[int]], keep: int) -> list:
+            results = self.generate_batch(sequences, 1, SamplingParams(max_tokens=1, logprobs=keep, ignore_eos=True))
+            return [r.logprobs[0].top for r in results]
+        outputs = []
+        for prompt in prompts:
+            ids = self.new_request(prompt, params.max_tokens).prompt_ids   # checked and tokenised as generate does
+            best = beam_search(step, ids, params, self.output.eos_token_ids, on_step)   # on_step: a tracer
+            outputs.append(BeamSearchOutput([BeamSearchSequence(ids + out, out, cum, score, self.tokenizer.decode(
+                out, skip_special_tokens=True), finish) for score, cum, out, finish in best]))
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              max_new_tokens: int | None = None, *, sampling_params: SamplingParams | None = None):

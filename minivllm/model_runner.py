@@ -98,6 +98,10 @@ class ModelRunner:
         """The tokens each request gains this step: one, or None for a prefill's middle chunk."""
         return [None if t is None else [t] for t in self.step(requests, starts, lengths, places)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Before the step: the block copies that copy-on-write owes (Chapter 16)."""
+        self.kv.copy_blocks(copies)
+
     def settle(self, requests: list[Request]) -> None:
         """After the output processor has taken the step's tokens. Nothing to count here."""
 

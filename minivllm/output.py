@@ -61,6 +61,11 @@ class Request:
     adapter: object = None                        # Chapter 17: its LoRA adapter (None: the base weights)
     held_back: tuple[int, ...] = ()               # ids that may not come before min_tokens (EOS, stop ids)
     prompt: str | None = None                     # the prompt's text, when it came as text
+    # Chapter 16: one of several answers to a prompt. The first member (choice 0) is prefilled;
+    # the others wait in its `siblings` until it forks them onto its blocks.
+    choice: int = 0                               # which answer: its noise key's second number
+    group: list | None = None                     # every answer to the prompt, choice 0 first
+    siblings: list = field(default_factory=list)  # members not forked yet (choice 0's, until it forks)
 
     @property
     def cache_salt(self):
@@ -73,6 +78,11 @@ class Request:
         if self.adapter is None:
             return self.params.cache_salt
         return ("lora", self.adapter.key, self.params.cache_salt)
+
+    @property
+    def seats(self) -> int:
+        """Sequences it holds in the batch: itself and the siblings it will fork (Chapter 16)."""
+        return 1 + len(self.siblings)
 
     @property
     def n_prompt(self) -> int:
@@ -121,7 +131,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     asking = [i for i, r in enumerate(requests) if r.logprobs is not None and r.finish_reason is None]
     if asking:
         entries = sampling.token_logprobs(logits[asking], [tokens[i] for i in asking],
-                                          [requests[i].params.logprobs for i in asking])
+                                          [requests[i].params.logprobs or 0 for i in asking])
         for i, entry in zip(asking, entries):
             requests[i].logprobs.append(entry)
     return tokens
@@ -151,7 +161,7 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 
 def draw_key(r: Request, ahead: int = 0) -> int:
     """The noise key of r's next sampled token (or of the one `ahead` positions after it)."""
-    return sampling.noise_key(r.seed, 0, len(r.new_ids) + ahead)
+    return sampling.noise_key(r.seed, r.choice, len(r.new_ids) + ahead)
 
 
 # --8<-- [start:constrain]
@@ -225,6 +235,8 @@ class OutputProcessor:
     requests, accepts each new token (detokenizer, stop strings, EOS, budget, logprobs, timings)
     and turns a finished request into a GenerateResult."""
 
+    forks = False   # Chapter 16's processor makes n answers to one prompt (minivllm/many_answers.py)
+
     def __init__(self, tokenizer, eos_token_ids: set[int], vocab_size: int, device, structured_output=None):
         self.tokenizer, self.eos_token_ids, self.vocab_size, self.device = tokenizer, eos_token_ids, vocab_size, device
         self.structured_output = structured_output   # Chapter 11's feature object, when the engine has it
@@ -236,6 +248,9 @@ class OutputProcessor:
         """A prompt (text, or token ids tokenised already) checked against its budget and the context,
         tokenised, and made a request: what an engine's new_request does, in the caller's thread."""
         params = SamplingParams.or_default(params)
+        if params.num_sequences > 1 and not self.forks:
+            raise ValueError(f"this engine gives one answer per prompt, not n = {params.num_sequences}: "
+                             f"LLM's output processor forks them (Chapter 16)")
         budget = params.token_budget(max_new_tokens)
         ids = tokenize(self.tokenizer, prompt, budget, context_length, self.vocab_size)
         r = self.new_request(ids, params, budget, arrival)

@@ -298,6 +298,8 @@ def run_worker(rank: int, size: int, device: torch.device) -> None:
             for feature, note in zip(riders(features), notes):    # the step's adapters, as rank 0 placed them
                 feature.follow(note, [len(t) for t in new_tokens], device)
             model.forward(kv.batch(new_tokens, places, starts, device), kv, num_logits=num_logits)   # rank 0 samples
+        elif message[0] == "copy":     # Chapter 16's copy-on-write, on this rank's share of the pool
+            kv.copy_blocks(message[1])
         elif message[0] == "stats":
             gather_stats(model, kv, comm)
         elif message[0] == "warm_up":   # the same warm-up steps as rank 0, collectives and all

@@ -127,6 +127,12 @@ class TensorParallelRunner(ModelRunner):
     def features(self) -> dict:
         return {name: value for rider in self.riders for name, value in rider.features().items()}
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Every rank copies its share of the blocks (Chapter 16's copy-on-write)."""
+        with self.lock:
+            self.comm.broadcast(("copy", copies))
+            self.kv.copy_blocks(copies)
+
     def warm_up(self) -> float:
         """Every rank warms up together: a compiled model's warm-up steps run collectives."""
         with self.lock:

@@ -178,6 +178,14 @@ class PrefixCachingBlockManager(BlockManager):
             serial, done = known.serial, i + 1   # (a duplicate of a cached block: later ones link to that)
         self.chains[seq_id] = (done, h, serial)
 
+    def fork(self, seq_id: int, child_id: int) -> list[int]:
+        """Chapter 16: the child shares the parent's blocks and goes on caching where it left off."""
+        table = super().fork(seq_id, child_id)
+        for store in (self.chains, self.roots):
+            if seq_id in store:
+                store[child_id] = store[seq_id]
+        return table
+
     def free(self, seq_id: int) -> None:
         """Blocks nobody uses go back; cached ones keep their K/V on the evictable list, the
         sequence's last blocks first in line (a prefix's root outlives its branches)."""

@@ -68,7 +68,15 @@ class Scheduler:
         if self.blocks.blocks_for(request.n_prompt + request.budget) > self.blocks.num_blocks:
             raise ValueError(f"request {request.id} could never fit in the KV pool of "
                              f"{self.blocks.num_blocks} blocks")
+        if request.seats > self.max_num_seqs:
+            raise ValueError(f"a request of {request.seats} sequences can never run: a step holds at most "
+                             f"max_num_seqs = {self.max_num_seqs}")
         self.waiting.append(request)
+
+    @property
+    def seats_taken(self) -> int:
+        """Sequences running, and those their parents will fork (Chapter 16): each will need a seat."""
+        return sum(r.seats for r in self.running)
 
     def adapter_fits(self, r: Request) -> bool:
         """Chapter 17: r may run beside the running requests' adapters (max_loras device slots)."""
@@ -85,6 +93,8 @@ class Scheduler:
         """Decodes of running requests first, then prefill chunks, then new admissions; the guesses
         to verify (Chapter 10, `add_guesses`) come after, from what the budget has left."""
         out = ScheduledBatch([], [], [], [])
+        for r in [r for r in self.running if r.siblings and r.num_computed == r.num_tokens - 1]:
+            self.fork(r)                      # Chapter 16: its prompt is in, but for the last token
         decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed > 1]
         for r in decoding + prefilling:
@@ -93,23 +103,27 @@ class Scheduler:
                 break
             if r not in self.running:         # preempted a moment ago to make room for an older one
                 continue
-            n = min(r.num_tokens - r.num_computed, budget)   # 1 for a decode; a chunk of a prompt
+            n = min(r.num_tokens - r.num_computed - (1 if r.siblings else 0), budget)   # 1 for a decode; a chunk
+            if n == 0:
+                continue                      # a parent whose siblings fork next step
             if not self._make_room(r, r.num_computed + n, out):
                 continue                      # it was the newest, so it preempted itself
             out.add(r, r.num_computed, n)
         budget = self.max_num_batched_tokens - out.num_tokens
         # Admit in arrival order (preempted ones sit at the front), each tenant's turn fairly, while
         # blocks, budget and the cap allow; blocks a prefix cache already holds cost nothing new (Chapter 8).
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted
-               and self.blocks.can_allocate_prompt((r := self.next_waiting()).tokens(0, r.num_tokens),
-                                                   r.cache_salt)
+        # A request of n answers takes n seats (Chapter 16).
+        while (self.waiting and budget > 0 and not out.preempted
+               and self.seats_taken + (r := self.next_waiting()).seats <= self.max_num_seqs
+               and self.blocks.can_allocate_prompt(r.tokens(0, r.num_tokens), r.cache_salt)
                and self.adapter_fits(r)):
             self.waiting.remove(r)
             r.num_computed = self.admit(r)       # 0, or what a prefix cache already holds (Chapter 8)
             r.admitted = r.admitted or time.perf_counter()
             self.running.append(r)
-            n = min(r.num_tokens - r.num_computed, budget)
-            out.add(r, r.num_computed, n)
+            n = min(r.num_tokens - r.num_computed - (1 if r.siblings else 0), budget)
+            if n:                                # (0: a parent with all but its last token cached forks next)
+                out.add(r, r.num_computed, n)
             budget -= n
         return out
     # --8<-- [end:schedule]
@@ -154,13 +168,30 @@ class Scheduler:
         return cached
     # --8<-- [end:admit]
 
+    # --8<-- [start:fork]
+    def fork(self, r: Request) -> None:
+        """Chapter 16: r's prompt has its K/V but for the last token; each sibling becomes a running
+        sequence on r's blocks (reference counts, no copy) and computes that last token itself, its
+        first write into the shared last block copying it (copy-on-write), so each draws its own first
+        token from the same logits with its own noise."""
+        for c in r.siblings:
+            self.blocks.fork(r.id, c.id)
+            c.num_computed, c.admitted, c.cached_tokens = r.num_computed, r.admitted, r.cached_tokens
+            self.running.append(c)
+        r.siblings = []
+    # --8<-- [end:fork]
+
     # --8<-- [start:preempt]
     def _make_room(self, r: Request, needed: int, out: ScheduledBatch) -> bool:
-        """Slots for r's first `needed` tokens; if the pool is full, preempt the newest running
+        """Slots for r's first `needed` tokens, each block it writes its own (a forked sequence's
+        shared last block is copied, Chapter 16); if the pool is full, preempt the newest running
         request (possibly r itself: then False). Preempted work is recomputed later, never lost."""
-        while self.blocks.lengths[r.id] < needed:
+        while True:
             try:
-                self.blocks.append_slot(r.id)
+                while self.blocks.lengths[r.id] < needed:
+                    self.blocks.append_slot(r.id)
+                self.blocks.own(r.id, r.num_computed, needed)
+                return True
             except PoolFullError:
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -170,7 +201,6 @@ class Scheduler:
                     del out.requests[i], out.starts[i], out.lengths[i]
                 if victim is r:
                     return False
-        return True
 
     def preempt(self, r: Request) -> None:
         self.running.remove(r)

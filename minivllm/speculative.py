@@ -44,7 +44,7 @@ COPYING_PROMPT = ("Repeat the first two sentences of this text word for word: A 
 
 
 # --8<-- [start:draw]
-def draw(p: torch.Tensor, seed: int, position: int) -> int:
+def draw(p: torch.Tensor, seed: int, position: int, choice: int = 0) -> int:
     """The token a sampled request takes at output position `position`, from distribution p.
 
     The engine's one rule for a drawn token (`sampling.race`, as `output.sample` draws it):
@@ -54,7 +54,7 @@ def draw(p: torch.Tensor, seed: int, position: int) -> int:
     speculation is the answer without it. A drafter that draws its guess with the same noise
     from its own q agrees with the model wherever q is close to p.
     """
-    return int(sampling.race(p.log().unsqueeze(0), [sampling.noise_key(seed, 0, position)])[0])
+    return int(sampling.race(p.log().unsqueeze(0), [sampling.noise_key(seed, choice, position)])[0])
 # --8<-- [end:draw]
 
 
@@ -151,7 +151,7 @@ class DraftModelProposer:
                     continue
                 position = len(r.new_ids) + len(r.draft_ids)
                 r.draft_ids.append(int(row.argmax()) if r.params.is_greedy else
-                                   draw(sampling.probabilities(row, r.params), r.seed, position))
+                                   draw(sampling.probabilities(row, r.params), r.seed, position, r.choice))
                 if r.constraint is not None:
                     r.constraint.accept(r.draft_ids[-1])
                     if r.constraint.finished:
@@ -208,7 +208,7 @@ def accept_guesses(logits: torch.Tensor, r: Request) -> tuple[list[int], int]:
         if params.is_greedy:
             token = int(row.argmax())
         else:
-            token = draw(sampling.probabilities(row, params), r.seed, len(r.new_ids) + j)
+            token = draw(sampling.probabilities(row, params), r.seed, len(r.new_ids) + j, r.choice)
         out.append(token)
         if j >= len(drafts) or token != drafts[j]:
             break

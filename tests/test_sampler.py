@@ -18,7 +18,7 @@ TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4      # K and V x 2 layers x 2 KV he
 
 
 def rows(params: list[SamplingParams], seeds: list[int], position: int = 0):
-    return [SimpleNamespace(params=p, seed=s, new_ids=[0] * position, held_back=(), history=None, constraint=None,
+    return [SimpleNamespace(params=p, seed=s, choice=0, new_ids=[0] * position, held_back=(), history=None, constraint=None,
                             finish_reason=None, logprobs=None) for p, s in zip(params, seeds)]
 
 

@@ -260,7 +260,7 @@ def test_a_batch_draws_each_row_by_its_seed_and_position_alone():
               Params(temperature=0.5, seed=5)]
 
     def requests(order):
-        return [SimpleNamespace(params=params[i], seed=params[i].seed or 0, new_ids=[7] * step, held_back=(), history=None,
+        return [SimpleNamespace(params=params[i], seed=params[i].seed or 0, choice=0, new_ids=[7] * step, held_back=(), history=None,
                                 constraint=None, finish_reason=None, logprobs=None) for i in order]
 
     for step in range(3):
