@@ -245,6 +245,7 @@ CAPTURES = [
                                 "prefix-ngram-compile"], timeout_s=2400),
     Capture("19_gpu", ["python 19_gpu.py --threads 1"], needs="triton"),
     Capture("19_gpu_check", ["python 19_gpu.py --check --threads 1"], timeout_s=1800, needs="triton"),
+    Capture("20_many_answers", ["python 20_many_answers.py --threads 1 --measure --small --repeats 2"], timeout_s=1800),
     Capture("21_adapters", ["python 21_adapters.py --steps 32 --measure"], timeout_s=1800),
     Capture("22_replicas", ["python 22_replicas.py"]),
     Capture("22_replicas_tenants", ["python 22_replicas.py --measure tenants"], timeout_s=1800, needs="ray"),
