@@ -54,8 +54,6 @@ def statuses(path: str, method: str) -> dict[int, str]:
         out.update(GENERATION)
     if path.startswith("/v1/models/"):
         out[404] = GENERATION[404]
-    if path == "/health":
-        out[503] = "the engine cannot serve: a tensor-parallel rank died, and the process is ending"
     return out
 # --8<-- [end:statuses]
 

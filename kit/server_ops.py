@@ -323,25 +323,27 @@ class AdmissionQueue:
         self.check_key(tenant, prompts)
         if self._lock is None:
             self.check_engine(prompts)
-        else:
-            if self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
-                raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
-            self.waiting += 1
-            t0 = time.monotonic()
-            try:
-                await self._lock.acquire()
-            finally:
-                self.waiting -= 1
-            self.on_queued(time.monotonic() - t0)
-        self.running += 1
-        self.held[tenant] += prompts
+        elif self.max_waiting is not None and self._lock.locked() and self.waiting >= self.max_waiting:
+            raise Overloaded(f"the server is overloaded: {self.waiting} requests are already waiting")
+        self.held[tenant] += prompts   # the key's share, from its wait for the lock to its answer's end
         try:
-            yield
-        finally:
-            self.running -= 1
-            self.held[tenant] -= prompts
             if self._lock is not None:
-                self._lock.release()
+                self.waiting += 1
+                t0 = time.monotonic()
+                try:
+                    await self._lock.acquire()
+                finally:
+                    self.waiting -= 1
+                self.on_queued(time.monotonic() - t0)
+            self.running += 1
+            try:
+                yield
+            finally:
+                self.running -= 1
+                if self._lock is not None:
+                    self._lock.release()
+        finally:
+            self.held[tenant] -= prompts
 # --8<-- [end:admission]
 
 

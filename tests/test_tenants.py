@@ -101,3 +101,20 @@ def test_max_waiting_per_key_refuses_one_keys_excess_and_still_admits_anothers(t
     assert all("--max-waiting-per-key" in r.json()["error"]["message"] for r in alice if r.status_code == 503)
     assert bob.status_code == 200
     assert not +ops.admission.held   # every key's share given back
+
+
+def test_on_a_one_at_a_time_engine_a_keys_waiting_requests_count_in_its_share(tiny_engine):
+    """Chapter 1's engine has one seat: with --max-waiting-per-key 1 a key holds two requests
+    (one running, one waiting for the lock) and its third gets the 503 at once."""
+    ops = server_ops.ServerOps(api_key=(ALICE, BOB), max_waiting_per_key=1)
+    app = server.make_app(tiny_engine, ops=ops)
+    body = {"prompt": "Count to ten.", "max_tokens": 8, "ignore_eos": True}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body, headers=bearer(ALICE))
+                                          for _ in range(3)))
+
+    assert sorted(r.status_code for r in asyncio.run(scenario())) == [200, 200, 503]
+    assert not +ops.admission.held
