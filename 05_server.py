@@ -391,6 +391,9 @@ class OpenAIServer:
                        param="model", code="model_not_found")
 
     async def health(self):
+        broken = self.engine.unavailable()   # Chapter 14: a rank died; the process ends in seconds
+        if broken:
+            raise APIError(503, f"the engine is unavailable: {broken}", type_="server_error")
         return {"status": "ok"}
     # --8<-- [end:small-endpoints]
 

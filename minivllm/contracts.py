@@ -523,6 +523,10 @@ class BaseOfflineEngine(ABC):
         """Its scheduler's state, for the classroom page (Chapter 9); an engine without one says so."""
         return {"available": False, "engine": type(self).__name__}
 
+    def unavailable(self) -> str | None:
+        """Why it can serve nothing more (Chapter 14: a tensor-parallel worker died), or None."""
+        return None
+
     def close(self) -> None:
         """Let go of what it holds beyond memory: a loop thread, worker processes. Nothing, here."""
 # --8<-- [end:interface]

@@ -100,6 +100,9 @@ class EngineLoop:
             self.broken = EngineUnavailable(reason)
             self._cv.notify()
 
+    def unavailable(self) -> str | None:
+        return None if self.broken is None else str(self.broken)
+
     def _hand_over(self, requests: list[Request]) -> None:
         """Give requests to the engine loop (starting it on first use) in one go: they join the same step."""
         if self.broken:

@@ -324,6 +324,17 @@ def test_an_engine_crash_is_a_json_500_and_the_server_lives_on(tiny_engine):
         assert c.get("/health").status_code == 200
 
 
+class DeadRankEngine(RecordingEngine):
+    def unavailable(self):
+        return "tensor-parallel rank 1 exited"
+
+
+def test_health_answers_503_once_the_engine_can_serve_nothing_more(tiny_engine):
+    with TestClient(server.make_app(DeadRankEngine(tiny_engine)), raise_server_exceptions=False) as c:
+        resp = c.get("/health")
+        assert resp.status_code == 503 and "rank 1 exited" in resp.json()["error"]["message"]
+
+
 class StreamingEngine(RecordingEngine):
     def capabilities(self):
         return super().capabilities().replace(streams=True)
