@@ -13,6 +13,7 @@ The loop needs from its engine only `step()`, `new_request()`, `_leave()`, `_des
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import queue
 import sys
@@ -80,6 +81,7 @@ class EngineLoop:
         self._by_id: dict[int, Request] = {}
         self.num_aborted = 0   # requests stopped before they finished (a client that left, a cancel)
         self.broken: EngineUnavailable | None = None   # set by fail(): nothing more is served
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()   # ids of requests whose stream was dropped unread
 
     # --8<-- [start:loop]
     def submit(self, prompt: str, max_new_tokens: int, params: SamplingParams | None = None) -> RequestStream:
@@ -150,6 +152,8 @@ class EngineLoop:
                     return
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
+            while not self._dropped.empty():
+                aborts.add(self._dropped.get_nowait())
             for r in inbox:
                 members = r.group or [r]           # Chapter 16: the answers to one prompt enter together
                 try:
@@ -292,6 +296,10 @@ class RequestStream:
     def __init__(self, engine: EngineLoop, request: Request):
         self.engine, self.request, self.done = engine, request, False
         self.request_id = request.id
+        # A reader that drops its stream unread wants no answer: the loop aborts the request. Told by a
+        # weakref whose callback is C code (a queue's put), not a __del__: Python code run as a finalizer
+        # on the main thread would swallow a Ctrl-C that lands in it (an exception there is "ignored").
+        request.dropped = weakref.ref(self, functools.partial(engine._dropped.put, request.id))
 
     def __iter__(self) -> RequestStream:
         return self
@@ -327,9 +335,3 @@ class RequestStream:
 
     cancel = close
 
-    def __del__(self) -> None:
-        """A reader that drops its stream unread wants no answer: stop the work, free the blocks."""
-        try:
-            self.close()
-        except Exception:   # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
-            pass
