@@ -164,6 +164,9 @@ class ReplicaEngine:
         running = min(self.in_flight, self.seats)
         return {"running": running, "waiting": self.in_flight - running, "replicas": dict(self.replicas)}
 
+    def unavailable(self) -> str | None:
+        return None   # Ray Serve restarts a replica that dies: the service stands while the handle does
+
     def snapshot(self):
         return None   # the scheduler's picture is per replica: /engine/scheduler shows none
 

@@ -110,9 +110,7 @@ class LLMEngine(EngineLoop, BaseOfflineEngine):
             return []
         self.runner.propose(work, self.scheduler.max_num_batched_tokens)   # Chapter 10's guesses, if any
         self.scheduler.add_guesses(work)          # ride in this step, from what the budget has left
-        copies = self.blocks.take_copies()        # Chapter 16: copy-on-write, before anyone writes
-        if copies:
-            self.runner.copy_blocks(copies)
+        self.runner.copy_blocks(self.blocks.take_copies())   # Chapter 16: copy-on-write (most steps: none)
         places = [self.blocks.tables[r.id] for r in work.requests]
         runs = self.runner.run(work.requests, work.starts, work.lengths, places)   # 1 token, or 1 .. k + 1
         events = self.postprocess(work, runs)

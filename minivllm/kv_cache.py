@@ -79,6 +79,8 @@ class KVPool:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Chapter 16's copy-on-write: block `to` gets block `from`'s keys and values, every layer."""
+        if not copies:   # the common step: no answer wrote into a shared block
+            return
         src, dst = (torch.tensor(ids, device=self.k[0].device) for ids in zip(*copies))
         for flat in self.k + self.v:
             pages = flat.view(self.num_blocks, -1)

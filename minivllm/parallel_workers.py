@@ -129,6 +129,8 @@ class TensorParallelRunner(ModelRunner):
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Every rank copies its share of the blocks (Chapter 16's copy-on-write)."""
+        if not copies:   # most steps: no message to the other ranks at all
+            return
         with self.lock:
             self.comm.broadcast(("copy", copies))
             self.kv.copy_blocks(copies)

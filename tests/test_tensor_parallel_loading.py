@@ -117,7 +117,7 @@ class Counting:
         return t
 
     def get_slice(self, name):
-        stored, outer = self.f.get_slice(name), self
+        stored = self.f.get_slice(name)
 
         class Slice:
             def get_shape(self):

@@ -163,10 +163,17 @@ while True:                                  # never closed: Ctrl-C must still e
 """
 
 
+def default_sigint() -> None:
+    """In the child, before exec: Ctrl-C as a terminal delivers it. A test earlier in the same pytest
+    process (Ray's) may have left SIGINT ignored, and an ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_without_close_exits_130_leaving_no_child(tiny_model_dir):
     child = subprocess.Popen([sys.executable, "-c", SIGINT_SCRIPT, str(tiny_model_dir)], cwd=REPO_ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                             preexec_fn=default_sigint)
     try:
         while "READY" not in child.stdout.readline():
             assert child.poll() is None, child.stderr.read()[-2000:]
@@ -199,7 +206,8 @@ llm.generate(["Hello"], SamplingParams(max_tokens=8))
 def test_ctrl_c_during_a_step_that_never_returns_still_exits_130(tiny_model_dir):
     child = subprocess.Popen([sys.executable, "-c", STUCK_SCRIPT, str(tiny_model_dir)], cwd=REPO_ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                             preexec_fn=default_sigint)
     try:
         while "READY" not in child.stdout.readline():
             assert child.poll() is None, child.stderr.read()[-2000:]
