@@ -8,7 +8,7 @@ worth: a tenant's system prompt sent to every replica is prefilled on every repl
 
     python 22_replicas.py                          # the router's choices, replayed without Ray
     python 22_replicas.py --measure tenants        # 8 tenants on 2 replicas: prefix vs pow2, and 1 replica
-    python 22_replicas.py --measure throughput     # 32 requests on 1 replica, then on 2
+    python 22_replicas.py --measure throughput     # 32 requests: 1 replica, 2, and 2 servers without Ray
 
 The measurements start the server (05_server.py) once per configuration, as a reader would,
 and read each replica's prefix-cache counters from /engine/stats before and after.
@@ -119,11 +119,12 @@ def cache_counts(url: str) -> tuple[int, int]:
             sum(f.get("prefix_cache_hits", 0) for f in figures))
 
 
-async def send_all(url: str, jobs: list[tuple[int, str]], max_tokens: int, concurrency: int) -> dict:
-    """Every job through /v1/completions, `concurrency` at a time: tokens, TTFTs, wall time."""
+async def send_all(urls: list[str], jobs: list[tuple[int, str]], max_tokens: int, concurrency: int) -> dict:
+    """Every job through /v1/completions, `concurrency` at a time, job i to urls[i % len(urls)]
+    (one URL: the server routes; two: the client splits, as two plain servers need): tokens, TTFTs, wall."""
     gate, ttfts, tokens = asyncio.Semaphore(concurrency), [], []
     async with httpx.AsyncClient(timeout=600) as client:
-        async def one(tenant: int, prompt: str) -> None:
+        async def one(url: str, tenant: int, prompt: str) -> None:
             async with gate:
                 r = await client.post(url + "/v1/completions", headers={"Authorization": f"Bearer key-{tenant}"},
                                       json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
@@ -132,21 +133,26 @@ async def send_all(url: str, jobs: list[tuple[int, str]], max_tokens: int, concu
                 ttfts.append(body["metrics"]["ttft_ms"])
                 tokens.append(body["usage"]["completion_tokens"])
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(t, p) for t, p in jobs))
+        await asyncio.gather(*(one(urls[i % len(urls)], t, p) for i, (t, p) in enumerate(jobs)))
         wall = time.perf_counter() - t0
     return {"tokens_per_s": sum(tokens) / wall, "ttft_ms": statistics.median(ttfts), "wall_s": wall}
 
 
-def run_config(replicas: int, router: str, jobs, args, max_tokens: int, concurrency: int) -> dict:
-    proc, url = start_server(replicas, router, args)
+def run_config(replicas: int, router: str, jobs, args, max_tokens: int, concurrency: int,
+               servers: int = 1) -> dict:
+    """One configuration, started fresh: `servers` copies of the server (replicas 0: no Ray)."""
+    started = [start_server(replicas, router, args) for _ in range(servers)]
+    urls = [url for _, url in started]
     try:
-        asyncio.run(send_all(url, [(0, "Warm up the replicas.")] * 4, 2, 4))   # first steps are slow
-        before = cache_counts(url)
-        result = asyncio.run(send_all(url, jobs, max_tokens, concurrency))
-        after = cache_counts(url)
+        asyncio.run(send_all(urls, [(0, "Warm up the replicas.")] * 4 * servers, 2, 4))   # first steps are slow
+        before = [cache_counts(url) for url in urls]
+        result = asyncio.run(send_all(urls, jobs, max_tokens, concurrency))
+        after = [cache_counts(url) for url in urls]
     finally:
-        stop_server(proc)
-    queried, hit = after[0] - before[0], after[1] - before[1]
+        for proc, _ in started:
+            stop_server(proc)
+    queried = sum(a[0] - b[0] for a, b in zip(after, before))
+    hit = sum(a[1] - b[1] for a, b in zip(after, before))
     return {**result, "cached_share": hit / queried if queried else 0.0}
 
 
@@ -164,17 +170,23 @@ def measure_tenants(args) -> None:
 # --8<-- [end:tenants]
 
 
+# --8<-- [start:throughput]
 def measure_throughput(args) -> None:
-    """32 distinct short prompts on 1 replica and on 2 (one CPU each), alternating, median of repeats."""
+    """32 distinct short prompts on 1 replica, on 2 (one CPU each), and on two plain servers of one
+    thread each with no Ray (what Ray itself costs), alternating; the median ratio of repeats."""
     jobs = [(n % TENANTS, f"Request {n}: write a short note about the number {n}.") for n in range(32)]
-    runs: dict[int, list[float]] = {1: [], 2: []}
+    configs = {"1 replica": (1, 1), "2 replicas": (2, 1), "2 plain servers": (0, 2)}   # (replicas, servers)
+    runs: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.repeats):
-        for n in (1, 2):
-            runs[n].append(run_config(n, "pow2", jobs, args, args.max_tokens, concurrency=32)["tokens_per_s"])
-            print(f"{n} replica(s): {runs[n][-1]:.1f} tokens/s", flush=True)
-    ratios = [b / a for a, b in zip(runs[1], runs[2])]
-    print(f"2 replicas / 1 replica: {statistics.median(ratios):.2f}x "
-          f"({min(ratios):.2f}-{max(ratios):.2f}, {args.repeats} alternating pairs)")
+        for name, (replicas, servers) in configs.items():
+            r = run_config(replicas, "pow2", jobs, args, args.max_tokens, concurrency=32, servers=servers)
+            runs[name].append(r["tokens_per_s"])
+            print(f"{name:16s} {r['tokens_per_s']:6.1f} tokens/s", flush=True)
+    for base in ("1 replica", "2 plain servers"):
+        ratios = [b / a for a, b in zip(runs[base], runs["2 replicas"])]
+        print(f"2 replicas / {base}: {statistics.median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f}, {args.repeats} alternating runs)")
+# --8<-- [end:throughput]
 
 
 def main() -> None:

@@ -249,7 +249,7 @@ CAPTURES = [
     Capture("21_adapters", ["python 21_adapters.py --steps 32 --measure"], timeout_s=1800),
     Capture("22_replicas", ["python 22_replicas.py"]),
     Capture("22_replicas_tenants", ["python 22_replicas.py --measure tenants"], timeout_s=1800, needs="ray"),
-    Capture("22_replicas_throughput", ["python 22_replicas.py --measure throughput --repeats 3"], timeout_s=1800,
+    Capture("22_replicas_throughput", ["python 22_replicas.py --measure throughput --repeats 3"], timeout_s=2700,
             needs="ray"),
     Capture("18_tensor_parallel_refused", ["python 18_tensor_parallel.py --tensor-parallel-size 2 2>&1 || true"],
             timeout_s=300),

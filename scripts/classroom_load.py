@@ -43,8 +43,11 @@ async def main_async(args) -> None:
     async with httpx.AsyncClient(headers=headers, timeout=600) as client:
         await first_token_s(client, args.url, QUESTIONS[0], 4)   # warm-up, not counted
         for i in range(args.rounds):
-            lone = await first_token_s(client, args.url, QUESTIONS[i % len(QUESTIONS)], args.max_tokens)
-            many = await asyncio.gather(*(first_token_s(client, args.url, q, args.max_tokens)
+            # Each round's questions are new to the server (a prefix cache finds the chat template's
+            # system prompt, which every student shares, but no earlier round's whole question).
+            lone = await first_token_s(client, args.url, f"{QUESTIONS[i % len(QUESTIONS)]} (round {i + 1}, alone)",
+                                       args.max_tokens)
+            many = await asyncio.gather(*(first_token_s(client, args.url, f"{q} (round {i + 1})", args.max_tokens)
                                           for q in QUESTIONS[: args.students]))
             lones.append(lone)
             slowest.append(max(many))
